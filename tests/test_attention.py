@@ -1,0 +1,168 @@
+"""Portable ragged paged attention against a dense float64 reference.
+
+The cache is filled by hand from the layout tpu-inference documents
+(kv_cache.get_kv_cache_shape: k0, v0, k1, v1... packed per 32 bits, head_dim
+padded to 128), and the new tokens' pages are checked against tpu-inference's
+own reference implementation of its kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tpu_inference.kernels.ragged_paged_attention.v3.kernel import \
+    ref_ragged_paged_attention
+
+from tpu_models.attention import kv_cache_shape, ragged_paged_attention
+
+PAGE = 8
+
+
+def dense_reference(q, k, v, context, *, scale, window, soft_cap):
+    """q [Q, N, H]; k, v [L, K, H] for the whole sequence; queries are its last Q tokens."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("qnh,knh->nqk", q, k) * scale
+    if soft_cap:
+        s = soft_cap * np.tanh(s / soft_cap)
+    q_pos = context + np.arange(q.shape[0])[:, None]
+    k_pos = np.arange(k.shape[0])[None, :]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= k_pos > q_pos - window
+    s = np.where(mask, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("nqk,knh->qnh", p, v)
+
+
+def write_cache(cache, pages, k, v):
+    """Writes k, v [L, K, H] into `pages` of a numpy cache in RPA v3 layout."""
+    _, _, slots, packing, _ = cache.shape
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    for pos in range(k.shape[0]):
+        flat = cache[pages[pos // PAGE], pos % PAGE].reshape(slots * packing, -1)
+        flat[0:2 * kv_heads:2, :head_dim] = k[pos]
+        flat[1:2 * kv_heads:2, :head_dim] = v[pos]
+        cache[pages[pos // PAGE], pos % PAGE] = flat.reshape(slots, packing, -1)
+
+
+def make_batch(rng, requests, num_heads, kv_heads, head_dim, *, num_tokens,
+               max_seqs=8, pages_per_seq=40, dtype=np.float32):
+    """requests: (context, q_len) per request. Returns kernel inputs + per-request data."""
+    num_pages = max_seqs * pages_per_seq + 1
+    cache = np.zeros(kv_cache_shape(num_pages, PAGE, kv_heads, head_dim, dtype), dtype)
+    page_perm = rng.permutation(num_pages - 1) + 1  # pages scattered, page 0 unused
+    block_tables = np.zeros((max_seqs, pages_per_seq), np.int32)
+    q = np.zeros((num_tokens, num_heads, head_dim), np.float32)
+    k_new = np.zeros((num_tokens, kv_heads, head_dim), np.float32)
+    v_new = np.zeros_like(k_new)
+    cu, seq_lens, per_request = [0], [], []
+    for r, (context, q_len) in enumerate(requests):
+        block_tables[r] = page_perm[r * pages_per_seq:(r + 1) * pages_per_seq]
+        k_all = rng.normal(size=(context + q_len, kv_heads, head_dim)).astype(np.float32)
+        v_all = rng.normal(size=k_all.shape).astype(np.float32)
+        q_r = rng.normal(size=(q_len, num_heads, head_dim)).astype(np.float32)
+        write_cache(cache, block_tables[r], k_all[:context], v_all[:context])
+        rows = slice(cu[-1], cu[-1] + q_len)
+        q[rows], k_new[rows], v_new[rows] = q_r, k_all[context:], v_all[context:]
+        cu.append(cu[-1] + q_len)
+        seq_lens.append(context + q_len)
+        per_request.append((rows, q_r, k_all, v_all, context))
+    # Padding: garbage in the padded token rows, empty request slots.
+    q[cu[-1]:] = 7.0
+    k_new[cu[-1]:] = 7.0
+    cu += [cu[-1]] * (max_seqs - len(requests))
+    seq_lens += [0] * (max_seqs - len(requests))
+    inputs = dict(q=q, k=k_new, v=v_new, kv_cache=cache,
+                  seq_lens=np.array(seq_lens, np.int32),
+                  block_tables=block_tables.reshape(-1),
+                  cu_q_lens=np.array(cu, np.int32),
+                  num_seqs=np.int32(len(requests)))
+    return inputs, per_request
+
+
+CASES = {
+    # (context, q_len) per request: decodes first, as vLLM orders them
+    "decode_only": [(5, 1), (17, 1), (64, 1), (0, 1)],
+    "prefill_only": [(0, 37), (0, 5)],
+    "mixed": [(30, 1), (9, 1), (0, 70), (40, 23), (3, 2)],
+    "long_context_few_queries": [(250, 1), (200, 12)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (16, None), (None, 30.0), (7, 5.0)],
+                         ids=["full", "window16", "softcap", "window7+softcap"])
+def test_matches_dense_reference(case, heads, window, soft_cap):
+    rng = np.random.default_rng(0)
+    num_heads, kv_heads = heads
+    head_dim = 32
+    requests = CASES[case]
+    total = sum(q for _, q in requests)
+    inputs, per_request = make_batch(rng, requests, num_heads, kv_heads, head_dim,
+                                     num_tokens=total + 5)
+    scale = head_dim**-0.5
+    # Small blocks so every case crosses query-block, key-block and page boundaries.
+    fn = jax.jit(lambda **kw: ragged_paged_attention(
+        **kw, sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
+        q_block=16, kv_block=16, decode_block=3))
+    out, _ = fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
+    out = np.asarray(out)
+    for rows, q_r, k_all, v_all, context in per_request:
+        want = dense_reference(q_r, k_all, v_all, context, scale=scale,
+                               window=window, soft_cap=soft_cap)
+        np.testing.assert_allclose(out[rows], want, atol=2e-5, rtol=2e-5)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_cache_writes_match_tpu_inference_reference(dtype):
+    """New tokens land in the same pages/slots as tpu-inference's reference puts them."""
+    rng = np.random.default_rng(1)
+    requests = [(6, 1), (0, 19), (13, 4)]
+    num_heads, kv_heads, head_dim = 4, 2, 64
+    total = sum(q for _, q in requests)
+    inputs, _ = make_batch(rng, requests, num_heads, kv_heads, head_dim,
+                           num_tokens=total, dtype=np.float32)
+    inputs["kv_cache"] = inputs["kv_cache"].astype(np.float32)
+    args = {k: jnp.asarray(v) for k, v in inputs.items()}
+    cache = jnp.zeros(kv_cache_shape(args["kv_cache"].shape[0], PAGE, kv_heads, head_dim,
+                                     dtype), dtype)
+    q, k, v = (args[n].astype(dtype) for n in "qkv")
+    distribution = jnp.array([1, 3, 3], jnp.int32)
+    want_out, want_cache = ref_ragged_paged_attention(
+        q, k, v, cache, args["seq_lens"], args["block_tables"], args["cu_q_lens"],
+        distribution, sm_scale=head_dim**-0.5)
+    out, got_cache = jax.jit(lambda *a: ragged_paged_attention(
+        *a, sm_scale=head_dim**-0.5, q_block=8, kv_block=16))(
+            q, k, v, cache, args["seq_lens"], args["block_tables"], args["cu_q_lens"],
+            args["num_seqs"])
+    np.testing.assert_array_equal(np.asarray(got_cache, np.float32),
+                                  np.asarray(want_cache, np.float32))
+    # Only the first 3 requests' new tokens were written: compare outputs of the new-only context.
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                               atol=tol, rtol=tol)
+
+
+def test_fp8_cache_round_trip_with_scales():
+    """Keys and values are stored as k / k_scale in fp8 and rescaled on read."""
+    rng = np.random.default_rng(2)
+    requests = [(0, 9), (0, 5)]  # no prior context: every token goes through the quantized write
+    num_heads, kv_heads, head_dim = 4, 2, 16
+    inputs, per_request = make_batch(rng, requests, num_heads, kv_heads, head_dim, num_tokens=16)
+    fp8 = jnp.float8_e4m3fn
+    args = {k: jnp.asarray(v) for k, v in inputs.items()}
+    args["kv_cache"] = jnp.zeros(kv_cache_shape(inputs["kv_cache"].shape[0], PAGE, kv_heads,
+                                                head_dim, fp8), fp8)
+    assert args["kv_cache"].shape[2:4] == (1, 4)  # 2 heads x (k, v) packed in one 32-bit slot
+    out, _ = jax.jit(lambda **kw: ragged_paged_attention(
+        **kw, sm_scale=0.25, k_scale=0.5, v_scale=0.25))(**args)
+    out = np.asarray(out)
+    for rows, q_r, k_all, v_all, context in per_request:
+        want = dense_reference(q_r, k_all, v_all, context, scale=0.25, window=None, soft_cap=None)
+        # e4m3 keeps 3 mantissa bits (~6% per element); softmax averages it down.
+        np.testing.assert_allclose(out[rows], want, atol=0.15)

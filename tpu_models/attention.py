@@ -1,0 +1,290 @@
+"""Ragged paged attention in plain JAX: the attention of hosts without a TPU.
+
+It reads and writes the KV cache exactly as tpu-inference's RPA v3 kernel lays
+it out, so the engine allocates, swaps and prefix-shares pages unchanged:
+
+    kv_cache: [num_pages, page_size, align(2 * K, packing) / packing, packing,
+               align(head_dim, 128)]
+
+where the flattened (slot, packing) axis interleaves heads as k0, v0, k1, v1...
+and `packing` is how many cache elements fit in 32 bits (1 fp32, 2 bf16, 4 fp8).
+
+A step's batch is ragged: request r owns query rows cu_q_lens[r]:cu_q_lens[r+1]
+and, after this step, seq_lens[r] tokens of context. Requests with one query
+token (decode) are attended a block of requests at a time; longer ones (prefill,
+chunked prefill) a block of their own queries at a time. Either way keys are
+visited a block of pages at a time with an online softmax, so memory stays
+bounded by the block sizes, never by queries x context.
+
+Shapes: T tokens, N query heads, K kv heads, G = N / K, H head_dim, R requests,
+S page size, B pages per key block.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from tpu_inference.layers.common.attention_backend import AttentionBackend
+from tpu_inference.layers.common.sharding import ShardingAxisName
+from tpu_inference.utils import get_mesh_shape_product
+
+_MASKED = -1e30  # finite: a fully masked block must not turn the softmax into NaN
+
+
+def cache_packing(dtype) -> int:
+    return max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
+                   head_dim: int, dtype) -> tuple[int, ...]:
+    packing = cache_packing(dtype)
+    slots = -(-2 * num_kv_heads // packing)
+    return (num_pages, page_size, slots, packing, -(-head_dim // 128) * 128)
+
+
+def _pack_kv(k, v, kv_cache, k_scale, v_scale):
+    """k, v [T, K, H] -> cache rows [T, slots, packing, Hp], quantized if asked."""
+    _, _, slots, packing, padded_dim = kv_cache.shape
+    if k_scale is not None:
+        k, v = k.astype(jnp.float32) / k_scale, v.astype(jnp.float32) / v_scale
+    kv = jnp.stack([k, v], axis=2)  # [T, K, 2, H]
+    tokens, kv_heads, _, head_dim = kv.shape
+    kv = kv.reshape(tokens, 2 * kv_heads, head_dim)
+    kv = jnp.pad(kv, ((0, 0), (0, slots * packing - 2 * kv_heads),
+                      (0, padded_dim - head_dim)))
+    return kv.reshape(tokens, slots, packing, padded_dim).astype(kv_cache.dtype)
+
+
+def _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale):
+    """cache rows [..., slots, packing, Hp] -> k, v [..., K, H] in fp32."""
+    rows = rows.reshape(*rows.shape[:-3], -1, rows.shape[-1])
+    rows = rows[..., :2 * kv_heads, :head_dim].astype(jnp.float32)
+    rows = rows.reshape(*rows.shape[:-2], kv_heads, 2, head_dim)
+    k, v = rows[..., 0, :], rows[..., 1, :]
+    if k_scale is not None:
+        k, v = k * k_scale, v * v_scale
+    return k, v
+
+
+def _online_softmax_step(carry, scores, values, mask, einsum_pv):
+    """One key block of flash attention; scores [..., Q, S], mask broadcastable."""
+    m, l, acc = carry
+    scores = jnp.where(mask, scores, _MASKED)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    correction = jnp.exp(m - m_new)
+    l = l * correction + p.sum(axis=-1)
+    acc = acc * correction[..., None] + einsum_pv(p, values)
+    return m_new, l, acc
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [num_pages, S, slots, packing, Hp]
+    seq_lens: jax.Array,  # [R] context length after this step
+    block_tables: jax.Array,  # [R * pages_per_seq]
+    cu_q_lens: jax.Array,  # [R + 1]
+    num_seqs: jax.Array,  # [] live requests
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    update_kv_cache: bool = True,
+    q_block: int = 64,
+    kv_block: int = 256,
+    decode_block: int = 8,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (out [T, N, H] in q.dtype, updated kv_cache)."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    num_pages, page_size = kv_cache.shape[:2]
+    max_seqs = seq_lens.shape[0]
+    pages_per_seq = block_tables.shape[0] // max_seqs
+    block_tables = block_tables.reshape(max_seqs, pages_per_seq)
+    cu_q_lens = cu_q_lens[:max_seqs + 1]
+
+    live = jnp.arange(max_seqs) < num_seqs
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+
+    # --- write this step's keys and values into their pages ---
+    if update_kv_cache:
+        token = jnp.arange(num_tokens)
+        seq = jnp.minimum(
+            jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
+        valid = (token < cu_q_lens[num_seqs]) & live[seq]
+        pos = seq_lens[seq] - (cu_q_lens[seq + 1] - token)
+        page = block_tables[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
+        page = jnp.where(valid, page, num_pages)  # out of range: dropped
+        kv_cache = kv_cache.at[page, pos % page_size].set(
+            _pack_kv(k, v, kv_cache, k_scale, v_scale), mode="drop")
+
+    pages_per_block = max(1, kv_block // page_size)
+    key_block = pages_per_block * page_size
+    page_offsets = jnp.arange(pages_per_block)
+    key_offsets = jnp.arange(key_block)
+
+    def gather_keys(seq_rows, block_idx):
+        """Pages of key block `block_idx` for each request in seq_rows -> k, v [..., S*B, K, H]."""
+        cols = jnp.clip(block_idx * pages_per_block + page_offsets, 0,
+                        pages_per_seq - 1)
+        rows = kv_cache[block_tables[seq_rows][..., cols]]  # [..., B, S, slots, packing, Hp]
+        rows = rows.reshape(*rows.shape[:-5], key_block, *rows.shape[-3:])
+        return _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale)
+
+    def scores_of(qb, keys, spec):
+        s = jnp.einsum(spec, qb, keys, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        return s
+
+    out = jnp.zeros((num_tokens + q_block, num_heads, head_dim), q.dtype)
+
+    # --- decode: one query per request, `decode_block` requests at a time ---
+    is_decode = q_lens == 1
+    decode_ids = jnp.nonzero(is_decode, size=max_seqs, fill_value=max_seqs)[0]
+    decode_ids = jnp.pad(decode_ids, (0, decode_block), constant_values=max_seqs)
+
+    def decode_blocks(i, out):
+        ids = lax.dynamic_slice(decode_ids, (i * decode_block, ), (decode_block, ))
+        valid = ids < max_seqs
+        ids = jnp.minimum(ids, max_seqs - 1)
+        rows = cu_q_lens[ids]
+        hi = jnp.where(valid, seq_lens[ids], 0)  # keys [lo, hi)
+        lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
+        qb = q[rows].reshape(decode_block, kv_heads, group, head_dim).astype(jnp.float32)
+
+        def key_step(c, carry):
+            keys, values = gather_keys(ids, c)  # [D, S*B, K, H]
+            s = scores_of(qb, keys, "dkgh,dskh->dkgs")
+            pos = c * key_block + key_offsets
+            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
+            return _online_softmax_step(
+                carry, s, values, mask,
+                lambda p, vals: jnp.einsum("dkgs,dskh->dkgh", p, vals))
+
+        init = (jnp.full((decode_block, kv_heads, group), _MASKED, jnp.float32),
+                jnp.zeros((decode_block, kv_heads, group), jnp.float32),
+                jnp.zeros((decode_block, kv_heads, group, head_dim), jnp.float32))
+        first = jnp.where(valid, lo, jnp.iinfo(jnp.int32).max).min() // key_block
+        last = -(-hi.max() // key_block)
+        _, l, acc = lax.fori_loop(jnp.minimum(first, last), last, key_step, init)
+        o = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(decode_block, num_heads, head_dim)
+        return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
+
+    num_decode = is_decode.sum()
+    out = lax.fori_loop(0, -(-num_decode // decode_block), decode_blocks, out)
+
+    # --- prefill: `q_block` queries of one request at a time ---
+    is_prefill = q_lens > 1
+    prefill_ids = jnp.nonzero(is_prefill, size=max_seqs, fill_value=0)[0]
+    q_padded = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))
+    query_offsets = jnp.arange(q_block)
+
+    def prefill_seq(i, out):
+        r = prefill_ids[i]
+        q_len, kv_len = q_lens[r], seq_lens[r]
+        context = kv_len - q_len
+
+        def query_block(b, out):
+            row0 = cu_q_lens[r] + b * q_block
+            qb = lax.dynamic_slice(q_padded, (row0, 0, 0), (q_block, num_heads, head_dim))
+            qb = qb.reshape(q_block, kv_heads, group, head_dim).astype(jnp.float32)
+            q_pos = context + b * q_block + query_offsets  # [Q]
+            q_valid = b * q_block + query_offsets < q_len
+            hi = jnp.minimum(context + (b + 1) * q_block, kv_len)
+            lo = jnp.maximum(context + b * q_block - sliding_window + 1, 0) if sliding_window else 0
+
+            def key_step(c, carry):
+                keys, values = gather_keys(r, c)  # [S*B, K, H]
+                s = scores_of(qb, keys, "qkgh,skh->kgqs")
+                k_pos = c * key_block + key_offsets
+                mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
+                if sliding_window:
+                    mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+                return _online_softmax_step(
+                    carry, s, values, mask[None, None],
+                    lambda p, vals: jnp.einsum("kgqs,skh->kgqh", p, vals))
+
+            init = (jnp.full((kv_heads, group, q_block), _MASKED, jnp.float32),
+                    jnp.zeros((kv_heads, group, q_block), jnp.float32),
+                    jnp.zeros((kv_heads, group, q_block, head_dim), jnp.float32))
+            _, l, acc = lax.fori_loop(lo // key_block, -(-hi // key_block), key_step, init)
+            o = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G, Q, H]
+            o = o.transpose(2, 0, 1, 3).reshape(q_block, num_heads, head_dim).astype(q.dtype)
+            old = lax.dynamic_slice(out, (row0, 0, 0), o.shape)
+            return lax.dynamic_update_slice(
+                out, jnp.where(q_valid[:, None, None], o, old), (row0, 0, 0))
+
+        return lax.fori_loop(0, -(-q_len // q_block), query_block, out)
+
+    out = lax.fori_loop(0, is_prefill.sum(), prefill_seq, out)
+    return out[:num_tokens], kv_cache
+
+
+class PortableAttentionBackend(AttentionBackend):
+    """tpu-inference attention backend running `ragged_paged_attention` above.
+
+    Selected with `--attention-backend portable`; the host portability layer
+    also routes tpu-inference's default (RPA) attention here off-TPU.
+    """
+
+    name = "portable"
+
+    def get_kv_cache_shape(self, total_num_pages, page_size, num_kv_heads,
+                           head_dim, kv_dtype):
+        return kv_cache_shape(total_num_pages, page_size, num_kv_heads, head_dim,
+                              kv_dtype)
+
+    def attention(self, kv_cache, q, k, v, md, shared_md, mesh, *,
+                  head_dim_original, sm_scale, attention_chunk_size, q_scale,
+                  k_scale, v_scale, sinks, update_kv_cache, use_causal_mask,
+                  attn_logits_soft_cap, decode_query_size):
+        del head_dim_original, decode_query_size  # padded dims are zeros; no kernel tuning here
+        if sinks is not None:
+            raise NotImplementedError("portable attention: attention sinks are not supported")
+        if not use_causal_mask:
+            raise NotImplementedError("portable attention: only causal attention is supported")
+        if q_scale is not None:
+            raise NotImplementedError("portable attention: quantized queries are not supported")
+        return sharded_attention(
+            mesh, q, k, v, kv_cache, shared_md.seq_lens, md.block_tables,
+            shared_md.query_start_loc, shared_md.request_distribution[2],
+            sm_scale=sm_scale, sliding_window=attention_chunk_size,
+            soft_cap=attn_logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+            update_kv_cache=update_kv_cache)
+
+
+def sharded_attention(mesh, q, k, v, kv_cache, seq_lens, block_tables,
+                      cu_q_lens, num_seqs, **kwargs):
+    """Runs ragged_paged_attention per tensor-parallel shard of the heads.
+
+    Returns (kv_cache, out) in the order tpu-inference's attention returns them.
+    """
+    tp = get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD)
+    if tp > 1 and k.shape[1] < tp:
+        # Fewer KV heads than shards: each shard keeps a copy of its KV head,
+        # as the engine sized the cache for (see get_kv_cache_shape_with_mesh).
+        if tp % k.shape[1]:
+            raise ValueError(f"tensor parallel size {tp} is not a multiple of "
+                             f"the {k.shape[1]} KV heads")
+        copies = tp // k.shape[1]
+        k, v = jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1)
+
+    heads = P(None, ShardingAxisName.ATTN_HEAD, None)
+    cache = P(None, None, ShardingAxisName.ATTN_HEAD, None, None)
+    fn = functools.partial(ragged_paged_attention, **kwargs)
+    out, kv_cache = jax.shard_map(
+        lambda q, k, v, c, *md: fn(q, k, v, c, *md),
+        mesh=mesh,
+        in_specs=(heads, heads, heads, cache, P(), P(), P(), P()),
+        out_specs=(heads, cache),
+        check_vma=False,
+    )(q, k, v, kv_cache, seq_lens, block_tables, cu_q_lens, num_seqs)
+    return kv_cache, out
