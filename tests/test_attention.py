@@ -159,6 +159,9 @@ def test_fp8_cache_round_trip_with_scales():
     args["kv_cache"] = jnp.zeros(kv_cache_shape(inputs["kv_cache"].shape[0], PAGE, kv_heads,
                                                 head_dim, fp8), fp8)
     assert args["kv_cache"].shape[2:4] == (1, 4)  # 2 heads x (k, v) packed in one 32-bit slot
+    # Callers quantize (tpu-inference's quantize_kv); the kernel stores and rescales.
+    args["k"] = (args["k"] / 0.5).astype(fp8)
+    args["v"] = (args["v"] / 0.25).astype(fp8)
     out, _ = jax.jit(lambda **kw: ragged_paged_attention(
         **kw, sm_scale=0.25, k_scale=0.5, v_scale=0.25))(**args)
     out = np.asarray(out)

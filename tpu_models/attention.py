@@ -44,11 +44,12 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int,
     return (num_pages, page_size, slots, packing, -(-head_dim // 128) * 128)
 
 
-def _pack_kv(k, v, kv_cache, k_scale, v_scale):
-    """k, v [T, K, H] -> cache rows [T, slots, packing, Hp], quantized if asked."""
+def _pack_kv(k, v, kv_cache):
+    """k, v [T, K, H] -> cache rows [T, slots, packing, Hp].
+
+    As with RPA, callers hand in k / k_scale and v / v_scale already quantized.
+    """
     _, _, slots, packing, padded_dim = kv_cache.shape
-    if k_scale is not None:
-        k, v = k.astype(jnp.float32) / k_scale, v.astype(jnp.float32) / v_scale
     kv = jnp.stack([k, v], axis=2)  # [T, K, 2, H]
     tokens, kv_heads, _, head_dim = kv.shape
     kv = kv.reshape(tokens, 2 * kv_heads, head_dim)
@@ -123,7 +124,7 @@ def ragged_paged_attention(
         page = block_tables[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
         page = jnp.where(valid, page, num_pages)  # out of range: dropped
         kv_cache = kv_cache.at[page, pos % page_size].set(
-            _pack_kv(k, v, kv_cache, k_scale, v_scale), mode="drop")
+            _pack_kv(k, v, kv_cache), mode="drop")
 
     pages_per_block = max(1, kv_block // page_size)
     key_block = pages_per_block * page_size

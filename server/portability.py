@@ -1,0 +1,158 @@
+"""Host portability: the real vLLM + tpu-inference stack on hosts without a TPU.
+
+libtpu ships with tpu-inference, so vLLM picks its TPU platform on any host;
+with JAX_PLATFORMS=cpu (or cuda) the engine then runs on that JAX backend
+until one of tpu-inference 0.32.0's TPU-only assumptions stops it:
+
+1. the mesh sorts devices by `.coords`, which only TPU devices have;
+2. memory sizing asks for TPU HBM (`hbm_usage_bytes`, `TpuPlatform.mem_get_info`,
+   `get_device_name` raise "Expected TPU devices");
+3. `xla_tpu_*` compiler options are baked into jitted functions, and XLA:CPU
+   refuses unknown options;
+4. attention runs the Pallas TPU kernel (RPA v3).
+
+`install()`, a vllm.general_plugins entry point, adapts exactly these, and only
+when JAX is told to run elsewhere (JAX_PLATFORMS without "tpu"): on a TPU host
+it does nothing. tpu-inference offers an extension point for attention only
+(register_attention_backend, used by tpu_models.plugin); its default (RPA)
+backend, which tpu-inference's own models hard-code, is redirected to the
+portable kernel here. Every other adaptation is a patch, each in one function
+below, written against the tpu-inference version in SUPPORTED.
+"""
+
+import importlib.metadata
+import logging
+import os
+import sys
+
+logger = logging.getLogger("tpu_models.portability")
+
+SUPPORTED = "0.32.0"
+# tpu-inference reads these to describe the TPU slice; unset, it asks the cloud
+# metadata server, which must never be contacted from a non-TPU host.
+TPU_IDENTITY = {"TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_NAME": "local", "TPU_WORKER_ID": "0"}
+# Default KV-cache budget off-TPU, as a share of the host's available memory.
+KV_CACHE_SHARE = 0.2
+
+_installed = False
+
+
+def host_platform() -> str | None:
+    """The non-TPU JAX platform requested via JAX_PLATFORMS, else None (TPU or default)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if not platforms or "tpu" in platforms:
+        return None
+    return platforms[0]
+
+
+def set_tpu_identity() -> None:
+    for key, value in TPU_IDENTITY.items():
+        os.environ.setdefault(key, value)
+
+
+def install() -> None:
+    global _installed
+    platform = host_platform()
+    if platform is None or _installed:
+        return
+    version = importlib.metadata.version("tpu-inference")
+    if version != SUPPORTED:
+        raise RuntimeError(
+            f"tpu-models' host portability layer was written for tpu-inference {SUPPORTED}, "
+            f"found {version}; install tpu-inference=={SUPPORTED} or run on a TPU host.")
+    set_tpu_identity()
+    _mesh_without_coords()
+    _memory_from_host(platform)
+    _no_tpu_compiler_options()
+    _portable_default_attention()
+    _installed = True
+    logger.info("tpu-models: running tpu-inference on JAX platform %r (portability layer)",
+                platform)
+
+
+def _rebind(module_name: str, name: str, replacement) -> None:
+    """Replaces module_name.name, and every tpu_inference module that imported it by name."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("tpu_inference") and getattr(mod, name, None) is original:
+            setattr(mod, name, replacement)
+
+
+def _mesh_without_coords() -> None:
+    """1. CPU/GPU devices have no `.coords`: lay them out in id order."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    def make_mesh(axis_shapes, axis_names, *, devices=None):
+        import jax
+        devices = sorted(devices if devices is not None else jax.devices(), key=lambda d: d.id)
+        return Mesh(np.asarray(devices).reshape(axis_shapes), axis_names)
+
+    _rebind("tpu_inference.utils", "make_optimized_mesh", make_mesh)
+
+
+def kv_cache_budget(cache_config) -> int:
+    """Bytes for the KV cache: --kv-cache-memory-bytes, else a share of available memory."""
+    if cache_config.kv_cache_memory_bytes:
+        return int(cache_config.kv_cache_memory_bytes)
+    import psutil
+    return int(psutil.virtual_memory().available * KV_CACHE_SHARE)
+
+
+def _memory_from_host(platform: str) -> None:
+    """2. Size memory from host RAM; the KV cache gets an explicit budget."""
+    import jax
+    import psutil
+    from tpu_inference.platforms.tpu_platform import TpuPlatform
+    from tpu_inference.worker.tpu_worker import TPUWorker
+
+    def usage(devices):
+        # Live arrays per device against the host's RAM (devices share it).
+        used = {}
+        for array in jax.live_arrays():
+            for shard in array.addressable_shards:
+                used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
+        total = psutil.virtual_memory().total
+        return [(used.get(d, 0), total) for d in devices]
+
+    def determine_available_memory(self) -> int:
+        budget = kv_cache_budget(self.cache_config)
+        logger.warning("tpu-models: KV cache budget on this %s host: %.2f GiB (set it with "
+                       "--kv-cache-memory-bytes)", platform, budget / 2**30)
+        return budget
+
+    def mem_get_info(cls):
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+
+    _rebind("tpu_inference.utils", "hbm_usage_bytes", usage)
+    TPUWorker.determine_available_memory = determine_available_memory
+    TpuPlatform.mem_get_info = classmethod(mem_get_info)
+    TpuPlatform.get_device_name = classmethod(lambda cls, device_id=0: platform.upper())
+
+
+def _no_tpu_compiler_options() -> None:
+    """3. XLA off-TPU rejects xla_tpu_* options: compile without them."""
+    import jax
+
+    module = "tpu_inference.models.common.compiler_options"
+    _rebind(module, "get_step_fn_compiler_options", lambda: {})
+    _rebind(module, "get_sampling_compiler_options", lambda: {})
+    # The sampler took its options when it was decorated, at import (before
+    # plugins load): jit it again without them, with its own static arguments.
+    sampling = importlib.import_module("tpu_inference.layers.jax.sample.sampling")
+    _rebind(sampling.__name__, "sample",
+            jax.jit(sampling.sample.__wrapped__,
+                    static_argnames=["mesh", "allow_distributed_sampling"]))
+
+
+def _portable_default_attention() -> None:
+    """4. The Pallas TPU kernel cannot run here: the default backend runs the portable one."""
+    from tpu_inference.layers.common.attention_backend import RPAAttentionBackend
+
+    from tpu_models.attention import PortableAttentionBackend
+
+    portable = PortableAttentionBackend()
+    RPAAttentionBackend.get_kv_cache_shape = lambda self, *a: portable.get_kv_cache_shape(*a)
+    RPAAttentionBackend.attention = lambda self, *a, **kw: portable.attention(*a, **kw)

@@ -1,0 +1,216 @@
+"""Layers our models share: rotary embeddings, the gated MLP, and attention
+over tpu-inference's paged KV cache.
+
+Weights are tpu-inference building blocks (JaxEinsum, JaxRmsNorm, ...) named
+as the HF submodules, so tpu-inference's loader maps HF tensors by name and its
+quantization methods apply unchanged. Logical sharding axes come from
+tpu-inference's ShardingAxisName, which maps them onto its mesh.
+
+Shapes: T tokens, D hidden, N query heads, K kv heads, H head_dim, F mlp width.
+"""
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tpu_inference.layers.common.attention_backend import AttentionBackend
+from tpu_inference.layers.common.attention_interface import attention
+from tpu_inference.layers.common.attention_metadata import AttentionMetadata
+from tpu_inference.layers.common.quantization import quantize_kv
+from tpu_inference.layers.common.sharding import ShardingAxisName
+from tpu_inference.layers.jax import JaxModule
+from tpu_inference.layers.jax.linear import JaxEinsum
+
+_init = nnx.initializers.normal(0.02)
+
+
+def sharded(*axes) -> Callable:
+    return nnx.with_partitioning(_init, axes)
+
+
+# --- rotary position embeddings -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """RoPE for one attention layer, from an HF `rope_parameters` entry.
+
+    Supports the scalings HF Qwen3 and Gemma 3 checkpoints use: default,
+    linear, llama3 and yarn. Frequencies and rotation are computed in fp32.
+    """
+    head_dim: int
+    theta: float
+    kind: str = "default"
+    params: tuple = ()  # sorted (key, value) pairs of the scaling parameters
+    max_position_embeddings: int = 0
+
+    @classmethod
+    def from_hf(cls, params: dict | None, head_dim: int, max_position_embeddings: int,
+                default_theta: float = 10000.0) -> "Rope":
+        params = dict(params or {})
+        theta = float(params.pop("rope_theta", default_theta))
+        kind = params.pop("rope_type", params.pop("type", "default"))
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"rope_type {kind!r} is not supported "
+                             "(supported: default, linear, llama3, yarn)")
+        return cls(head_dim, theta, kind, tuple(sorted(params.items())),
+                   max_position_embeddings)
+
+    def inv_freq_and_scale(self) -> tuple[jax.Array, float]:
+        p = dict(self.params)
+        exponents = jnp.arange(0, self.head_dim, 2, dtype=jnp.float32) / self.head_dim
+        inv_freq = 1.0 / self.theta**exponents
+        if self.kind == "linear":
+            return inv_freq / p["factor"], 1.0
+        if self.kind == "llama3":
+            factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+            old_len = p["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv_freq
+            smooth = (old_len / wavelen - low) / (high - low)
+            blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+            return jnp.where(wavelen > old_len / low, inv_freq / factor,
+                             jnp.where(wavelen < old_len / high, inv_freq, blended)), 1.0
+        if self.kind == "yarn":
+            return self._yarn(inv_freq, p)
+        return inv_freq, 1.0
+
+    def _yarn(self, inv_freq, p) -> tuple[jax.Array, float]:
+        factor = p["factor"]
+        old_len = p.get("original_max_position_embeddings") or self.max_position_embeddings
+        beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = p.get("attention_factor")
+        if attention_factor is None:
+            if p.get("mscale") and p.get("mscale_all_dim"):
+                attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+            else:
+                attention_factor = mscale(factor)
+
+        def correction_dim(rotations):
+            return (self.head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if p.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = jnp.clip((jnp.arange(self.head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, attention_factor
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [T, heads, H] rotated by positions [T] (HF "rotate_half" pairing)."""
+        inv_freq, scale = self.inv_freq_and_scale()
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+        cos, sin = (jnp.cos(angles) * scale)[:, None, :], (jnp.sin(angles) * scale)[:, None, :]
+        x32 = x.astype(jnp.float32)
+        x1, x2 = x32[..., :self.head_dim // 2], x32[..., self.head_dim // 2:]
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# --- MLP -------------------------------------------------------------------------
+
+
+class GatedMLP(JaxModule):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), as HF's Qwen3/Gemma MLPs."""
+
+    def __init__(self, hidden: int, width: int, activation: Callable, *, dtype, param_dtype,
+                 rngs: nnx.Rngs, quant_config=None, prefix: str = ""):
+        def proj(name, spec, shape, axes):
+            return JaxEinsum(spec, shape, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                             kernel_init=sharded(*axes), quant_config=quant_config,
+                             prefix=f"{prefix}.{name}")
+
+        mlp = ShardingAxisName.MLP_TENSOR
+        self.gate_proj = proj("gate_proj", "TD,DF->TF", (hidden, width), (None, mlp))
+        self.up_proj = proj("up_proj", "TD,DF->TF", (hidden, width), (None, mlp))
+        self.down_proj = proj("down_proj", "TF,FD->TD", (width, hidden), (mlp, None))
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+
+
+# --- attention -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: Rope
+    scale: float  # multiplies q.k
+    bias: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+
+class Attention(JaxModule):
+    """q/k/v/o projections, optional q/k norms, RoPE, and paged attention.
+
+    `qk_norm` builds the per-head norms (None: none). The kernel is the
+    tpu-inference attention backend the engine runs with: RPA on TPU, or the
+    portable kernel that `--attention-backend portable` (or the host
+    portability layer, off-TPU) selects.
+    """
+
+    def __init__(self, cfg: AttentionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh,
+                 backend: AttentionBackend | None, kv_cache_dtype: str = "auto",
+                 qk_norm: Callable[[str], Any] | None = None, quant_config=None,
+                 prefix: str = ""):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.backend = backend
+        heads, kv_heads = ShardingAxisName.ATTN_HEAD, ShardingAxisName.KV_HEAD
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+        def proj(name, spec, shape, axes, bias_shape, bias_axes):
+            return JaxEinsum(
+                spec, shape, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                kernel_init=sharded(*axes),
+                bias_shape=bias_shape if cfg.bias else None,
+                bias_init=nnx.with_partitioning(nnx.initializers.zeros, bias_axes),
+                quant_config=quant_config, prefix=f"{prefix}.{name}")
+
+        self.q_proj = proj("q_proj", "TD,DNH->TNH", (D, N, H), (None, heads, None), (N, H), (heads, None))
+        self.k_proj = proj("k_proj", "TD,DKH->TKH", (D, K, H), (None, kv_heads, None), (K, H), (kv_heads, None))
+        self.v_proj = proj("v_proj", "TD,DKH->TKH", (D, K, H), (None, kv_heads, None), (K, H), (kv_heads, None))
+        self.o_proj = proj("o_proj", "TNH,NHD->TD", (N, H, D), (heads, None, None), (D,), (None,))
+        if qk_norm is not None:
+            self.q_norm = qk_norm(f"{prefix}.q_norm")
+            self.k_norm = qk_norm(f"{prefix}.k_norm")
+        self.kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
+
+    def __call__(self, kv_cache: jax.Array, x: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        q = self.q_proj(x)  # [T, N, H]
+        k = self.k_proj(x)  # [T, K, H]
+        v = self.v_proj(x)  # [T, K, H]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.cfg.rope(q, md.input_positions)
+        k = self.cfg.rope(k, md.input_positions)
+        k_scale = v_scale = None
+        if self.kv_cache_dtype is not None:
+            from tpu_inference.utils import get_jax_dtype_from_str_dtype
+            k_scale = v_scale = 1.0
+            k, v = quantize_kv(get_jax_dtype_from_str_dtype(self.kv_cache_dtype), k, v,
+                               k_scale, v_scale)
+        kv_cache, out = attention(
+            kv_cache, q, k, v, md, self.mesh, self.cfg.head_dim,
+            sm_scale=self.cfg.scale,
+            attention_chunk_size=self.cfg.sliding_window,
+            attn_logits_soft_cap=self.cfg.soft_cap,
+            k_scale=k_scale, v_scale=v_scale,
+            attention_backend=self.backend)
+        return kv_cache, self.o_proj(out)  # [T, D]

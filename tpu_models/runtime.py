@@ -1,0 +1,68 @@
+"""What our models take from the running engine: settings and checkpoint loading."""
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from tpu_inference.layers.common.attention_backend import (AttentionBackend,
+                                                           attention_backend_name,
+                                                           create_attention_backend)
+from tpu_inference.layers.common.sharding import ShardingAxisName
+from tpu_inference.logger import init_logger
+from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
+from tpu_inference.utils import get_mesh_shape_product
+from vllm.config import VllmConfig
+
+from loaders.hf import HfCheckpoint
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The engine settings a model is built for."""
+    dtype: Any  # jax dtype the engine serves in (--dtype)
+    quant_config: Any  # tpu-inference quantization config, or None
+    kv_cache_dtype: str  # "auto" or e.g. "fp8"
+    attention_backend: AttentionBackend
+    vocab_shards: int  # devices the vocabulary is split over
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig, mesh: Mesh) -> "Engine":
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("tpu-models: pipeline parallelism is not supported; "
+                                      "use --tensor-parallel-size")
+        return cls(
+            dtype=vllm_config.model_config.dtype,
+            quant_config=getattr(vllm_config, "quant_config", None),
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+            attention_backend=create_attention_backend(attention_backend_name(vllm_config)),
+            vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB))
+
+
+def model_directory(vllm_config: VllmConfig) -> str:
+    """The local directory of the served checkpoint (downloading it if vLLM was given a hub id)."""
+    model_config = vllm_config.model_config
+    path = getattr(model_config, "model_weights", None) or model_config.model
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+    return snapshot_download(path, revision=model_config.revision,
+                             allow_patterns=["*.safetensors", "*.json"])
+
+
+def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) -> set[str]:
+    """Checks the checkpoint against `table`, then streams it into `model`.
+
+    tpu-inference's loader maps HF names onto our HF-named modules, shards each
+    tensor onto the mesh and runs quantization hooks. Checking first means a
+    bad checkpoint fails in milliseconds, naming its tensors, with nothing loaded.
+    """
+    checkpoint = HfCheckpoint(model_directory(model.vllm_config))
+    checkpoint.check(table, optional=optional)
+    logger.info("tpu-models: loading %d tensors from %s", len(checkpoint.tensors),
+                checkpoint.directory)
+    loaded = LoadableWithIterator.load_weights(model, checkpoint.iter_tensors())
+    return loaded
