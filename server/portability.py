@@ -2,14 +2,17 @@
 
 libtpu ships with tpu-inference, so vLLM picks its TPU platform on any host;
 with JAX_PLATFORMS=cpu (or cuda) the engine then runs on that JAX backend
-until one of tpu-inference 0.32.0's TPU-only assumptions stops it:
+until one of tpu-inference 0.32.0's TPU-only assumptions stops it (1-4), or,
+worse, lets it run and return wrong tokens (5):
 
 1. the mesh sorts devices by `.coords`, which only TPU devices have;
 2. memory sizing asks for TPU HBM (`hbm_usage_bytes`, `TpuPlatform.mem_get_info`,
    `get_device_name` raise "Expected TPU devices");
 3. `xla_tpu_*` compiler options are baked into jitted functions, and XLA:CPU
    refuses unknown options;
-4. attention runs the Pallas TPU kernel (RPA v3).
+4. attention runs the Pallas TPU kernel (RPA v3);
+5. host->device transfers copy: the runner refills its host buffers while the
+   previous step may still run, which on CPU (zero-copy) it would read.
 
 `install()`, a vllm.general_plugins entry point, adapts exactly these, and only
 when JAX is told to run elsewhere (JAX_PLATFORMS without "tpu"): on a TPU host
@@ -64,6 +67,7 @@ def install() -> None:
     _mesh_without_coords()
     _memory_from_host(platform)
     _no_tpu_compiler_options()
+    _copy_host_inputs()
     _portable_default_attention()
     _installed = True
     logger.info("tpu-models: running tpu-inference on JAX platform %r (portability layer)",
@@ -145,6 +149,27 @@ def _no_tpu_compiler_options() -> None:
     _rebind(sampling.__name__, "sample",
             jax.jit(sampling.sample.__wrapped__,
                     static_argnames=["mesh", "allow_distributed_sampling"]))
+
+
+def _copy_host_inputs() -> None:
+    """5. On CPU, device_put may alias a numpy buffer instead of copying it.
+
+    The runner refills the same host buffers (positions, page tables, ...) for
+    step N+1 while step N may still be running asynchronously; on TPU the
+    transfer copies them to HBM, on CPU the step would read the new values.
+    """
+    import jax
+    import numpy as np
+
+    module = importlib.import_module("tpu_inference.layers.common.utils")
+    original = module.general_device_put
+
+    def general_device_put(tensor, sharding, **kwargs):
+        tensor = jax.tree.map(lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x,
+                              tensor)
+        return original(tensor, sharding, **kwargs)
+
+    _rebind(module.__name__, "general_device_put", general_device_put)
 
 
 def _portable_default_attention() -> None:

@@ -1,0 +1,79 @@
+"""`tpu-models serve`: the real `vllm serve`, set up for our models on any host.
+
+On a TPU host it is `MODEL_IMPL_TYPE=flax_nnx vllm serve MODEL ...`. Elsewhere it
+also points JAX at the host (JAX_PLATFORMS=cpu unless set) and gives
+tpu-inference a TPU identity, which switches on the portability layer
+(server/portability.py) in every vLLM process. Everything it does not know is
+passed to `vllm serve` unchanged.
+"""
+
+import argparse
+import glob
+import os
+import sys
+from pathlib import Path
+
+from server import portability
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DEFAULT_NAME = "qwen3-structural-demo"
+
+
+def has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpu-models serve",
+        usage="tpu-models serve [MODEL] [options] [vllm serve options]",
+        description="Serve MODEL (an HF checkpoint directory; default: the embedded demo "
+                    "model) with vLLM's TPU backend. Options not listed here go to `vllm serve`.")
+    p.add_argument("--device", choices=["auto", "tpu", "cpu", "gpu"], default="auto",
+                   help="where JAX runs (auto: TPU if this host has one, else CPU)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the vllm command and environment instead of running it")
+    return p
+
+
+def jax_platform(device: str, env: dict) -> str | None:
+    """The JAX_PLATFORMS value to run with; None keeps JAX's TPU default."""
+    if device == "auto":
+        if env.get("JAX_PLATFORMS"):
+            return env["JAX_PLATFORMS"]
+        return None if has_tpu() else "cpu"
+    return {"tpu": None, "cpu": "cpu", "gpu": "cuda"}[device]
+
+
+def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
+    argv = list(argv)
+    model = argv.pop(0) if argv and not argv[0].startswith("-") else None
+    args, vllm_args = parser().parse_known_args(argv)
+    env = dict(env)
+    env.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
+    platform = jax_platform(args.device, env)
+    if platform is not None:
+        env["JAX_PLATFORMS"] = platform
+        for key, value in portability.TPU_IDENTITY.items():
+            env.setdefault(key, value)
+    if model is None:
+        model = str(DEFAULT_MODEL)
+        if not _given(vllm_args, "--served-model-name"):
+            vllm_args += ["--served-model-name", DEFAULT_NAME]
+    if not _given(vllm_args, "--host"):
+        vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *vllm_args]
+    return command, env
+
+
+def _given(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def main(argv: list[str]) -> None:
+    command, env = build_command(argv, os.environ)
+    if "--dry-run" in argv:
+        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        print(" ".join(f"{k}={v}" for k, v in sorted(changed.items())), " ".join(command))
+        return
+    os.execvpe(command[0], command, env)

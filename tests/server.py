@@ -1,0 +1,93 @@
+"""Starts the real `tpu-models serve` (hence `vllm serve`) on loopback for a test."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minutes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`with Server(model_dir, "--dtype", "float32") as s:` -> s.url, s.client()."""
+
+    def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "server.cli", "serve",
+                        *([str(model)] if model else []), "--port", str(self.port), *args]
+        self.log_path = log
+        self.env = {**os.environ, **(env or {})}
+        self.process = None
+
+    def start(self) -> "Server":
+        self.log = open(self.log_path, "w")
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=self.env, start_new_session=True,
+                                        cwd=Path(__file__).parents[1])
+        while time.monotonic() - self.started < STARTUP_TIMEOUT:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.startup_seconds = time.monotonic() - self.started
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.tail()}")
+
+    def wait_exit(self, timeout: float = STARTUP_TIMEOUT) -> int:
+        """For servers expected to fail: their exit code (after at most `timeout`)."""
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=self.env, start_new_session=True,
+                                        cwd=Path(__file__).parents[1])
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if getattr(self, "log", None):
+            self.log.close()
+
+    def output(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+
+    def async_client(self, **kwargs):
+        from openai import AsyncOpenAI
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
