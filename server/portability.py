@@ -24,11 +24,12 @@ below, written against the tpu-inference version in SUPPORTED.
 """
 
 import importlib.metadata
-import logging
 import os
 import sys
 
-logger = logging.getLogger("tpu_models.portability")
+from vllm.logger import init_logger
+
+logger = init_logger("tpu_models.portability")
 
 SUPPORTED = "0.32.0"
 # tpu-inference reads these to describe the TPU slice; unset, it asks the cloud

@@ -92,10 +92,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# Every batch shape with plain causal attention; windows and soft-capping on the
+# shapes where they bite (long contexts, chunked prefill).
+VARIANTS = [(case, None, None) for case in sorted(CASES)] + [
+    ("mixed", 16, None), ("mixed", None, 30.0), ("mixed", 7, 5.0),
+    ("long_context_few_queries", 16, None), ("decode_only", 7, 5.0)]
+
+
+@pytest.mark.parametrize("case,window,soft_cap", VARIANTS,
+                         ids=[f"{c}-w{w}-cap{s}" for c, w, s in VARIANTS])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (16, None), (None, 30.0), (7, 5.0)],
-                         ids=["full", "window16", "softcap", "window7+softcap"])
 def test_matches_dense_reference(case, heads, window, soft_cap):
     rng = np.random.default_rng(0)
     num_heads, kv_heads = heads

@@ -4,17 +4,19 @@ import numpy as np
 import pytest
 
 from tests.engine import Stepper
-from tests.tiny import Qwen3Reference, make_qwen3
+from tests.tiny import Qwen3Reference, make_qwen3, reshard
 
 CONFIGS = {
     "untied-gqa2": dict(tied=False, num_heads=4, num_kv_heads=2, head_dim=16),
     "tied-gqa4": dict(tied=True, num_heads=8, num_kv_heads=2, head_dim=32, attention_bias=True),
+    "untied-mha-sharded": dict(tied=False, num_heads=4, num_kv_heads=4, head_dim=16),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    return make_qwen3(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
+    directory = make_qwen3(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
+    return reshard(directory) if request.param.endswith("sharded") else directory
 
 
 def test_logits_match_transformers_through_paged_cache(checkpoint):

@@ -73,8 +73,8 @@ def test_streaming_equals_non_streaming(server):
 def test_chat_uses_template_and_matches_transformers(server, qwen3_structural):
     messages = [{"role": "user", "content": "Who is Alice?"}]
     tokenizer = AutoTokenizer.from_pretrained(qwen3_structural)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = prompt["input_ids"] if isinstance(prompt, dict) else list(prompt)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
     reply = server.client().chat.completions.create(
         model="tiny", messages=messages, max_tokens=6, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -97,8 +97,13 @@ def test_prompt_over_max_model_len_is_400_and_server_keeps_serving(server):
 
 
 def test_builtin_qwen3_through_the_same_portability_layer(tmp_path):
-    """tpu-inference's own Qwen3ForCausalLM (hard-coded RPA) also runs and matches."""
-    checkpoint = make_qwen3(tmp_path / "qwen3", structural=False, num_heads=4, num_kv_heads=1)
+    """tpu-inference's own Qwen3ForCausalLM (hard-coded RPA) also runs and matches.
+
+    head_dim 128: the built-in model pads other head sizes to 128 and then
+    cannot load their q/k norms.
+    """
+    checkpoint = make_qwen3(tmp_path / "qwen3", structural=False, num_heads=4, num_kv_heads=1,
+                            head_dim=128)
     reference = Qwen3Reference(checkpoint)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, reference.model.config.vocab_size, n).tolist()

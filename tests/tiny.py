@@ -92,7 +92,9 @@ class Qwen3Reference:
 
         directory = Path(directory)
         self.model = Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        tensors = load_file(directory / "model.safetensors")
+        tensors = {}
+        for file in directory.glob("*.safetensors"):
+            tensors.update(load_file(file))
         self.head = None
         if "structural_head.weight" in tensors:
             self.head = torch.nn.Linear(*tensors["structural_head.weight"].shape[::-1])
@@ -114,3 +116,21 @@ class Qwen3Reference:
         for _ in range(max_tokens):
             ids.append(int(self.logits(ids)[-1].argmax()))
         return ids[len(token_ids):]
+
+
+def reshard(directory: Path, num_shards: int = 3) -> Path:
+    """Rewrites model.safetensors as HF-style shards + model.safetensors.index.json."""
+    directory = Path(directory)
+    tensors = load_file(directory / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, directory / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    (directory / "model.safetensors").unlink()
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return directory
