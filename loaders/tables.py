@@ -112,3 +112,18 @@ def gemma3_table(config: Any) -> dict[str, tuple[int, ...]]:
     if _get(config, "attention_bias", False):
         table.update(_ATTENTION_BIAS)
     return resolve(table, _get(config, "num_hidden_layers"), dims(config))
+
+
+def table_for(config: Any) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """(table, optional tensor names) for a config.json of an architecture we serve."""
+    arch = (_get(config, "architectures") or [None])[0]
+    tied = _get(config, "tie_word_embeddings", False)
+    optional = ["lm_head.weight"] if tied else []
+    if arch == "Qwen3StructuralForCausalLM":
+        return qwen3_table(config, structural=True), optional
+    if arch == "Qwen3ForCausalLM":
+        return qwen3_table(config, structural=False), optional
+    if arch == "Gemma3ForCausalLM":
+        return gemma3_table(config), []
+    raise ValueError(f"architecture {arch!r} has no checkpoint table (known: "
+                     "Qwen3StructuralForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)")

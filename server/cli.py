@@ -6,6 +6,7 @@ USAGE = """usage: tpu-models <command> [args]
 
 commands:
   serve    serve a model (default: the embedded demo) with the real `vllm serve`
+  export   convert checkpoints to HF safetensors (lora-merge)
 """
 
 
@@ -18,6 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         from server import serve
         serve.main(rest)
+    elif command == "export":
+        from server import export
+        export.main(rest)
     else:
         sys.exit(f"tpu-models: unknown command {command!r}\n{USAGE}")
 

@@ -9,6 +9,7 @@ passed to `vllm serve` unchanged.
 
 import argparse
 import glob
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
                     "model) with vLLM's TPU backend. Options not listed here go to `vllm serve`.")
     p.add_argument("--device", choices=["auto", "tpu", "cpu", "gpu"], default="auto",
                    help="where JAX runs (auto: TPU if this host has one, else CPU)")
+    p.add_argument("--lora", metavar="ADAPTER_DIR",
+                   help="merge this PEFT LoRA adapter into the weights while loading "
+                        "(no per-token cost; same as --additional-config "
+                        "'{\"merge_lora\": ADAPTER_DIR}')")
     p.add_argument("--dry-run", action="store_true",
                    help="print the vllm command and environment instead of running it")
     return p
@@ -60,18 +65,48 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         model = str(DEFAULT_MODEL)
         if not _given(vllm_args, "--served-model-name"):
             vllm_args += ["--served-model-name", DEFAULT_NAME]
+    if args.lora:
+        vllm_args = _with_additional_config(vllm_args, {"merge_lora": os.path.abspath(args.lora)})
     if not _given(vllm_args, "--host"):
         vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *vllm_args]
     return command, env
 
 
+def _with_additional_config(args: list[str], extra: dict) -> list[str]:
+    """Adds keys to --additional-config, keeping any JSON the user passed."""
+    args, config = list(args), {}
+    for i, arg in enumerate(args):
+        if arg == "--additional-config" and i + 1 < len(args):
+            config = json.loads(args[i + 1])
+            del args[i:i + 2]
+            break
+        if arg.startswith("--additional-config="):
+            config = json.loads(arg.split("=", 1)[1])
+            del args[i]
+            break
+    return args + ["--additional-config", json.dumps({**config, **extra})]
+
+
 def _given(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def check_model(model: str) -> None:
+    """Refuses checkpoints we know we cannot serve, with what to do instead."""
+    config = Path(model) / "config.json"
+    if not config.exists():
+        return
+    arch = (json.loads(config.read_text()).get("architectures") or [None])[0]
+    if arch == "Gemma3ForConditionalGeneration":
+        sys.exit(f"tpu-models serve: {model} is a multimodal Gemma 3 checkpoint; tpu-models serves "
+                 "its language model as text-only Gemma3ForCausalLM. Extract it first:\n"
+                 f"  tpu-models export gemma3-text {model} --out {model.rstrip('/')}-text")
+
+
 def main(argv: list[str]) -> None:
     command, env = build_command(argv, os.environ)
+    check_model(command[4])
     if "--dry-run" in argv:
         changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
         print(" ".join(f"{k}={v}" for k, v in sorted(changed.items())), " ".join(command))

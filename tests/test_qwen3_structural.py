@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests.engine import Stepper
-from tests.tiny import Qwen3Reference, make_qwen3, reshard
+from tests.tiny import Reference, make_qwen3, reshard
 
 CONFIGS = {
     "untied-gqa2": dict(tied=False, num_heads=4, num_kv_heads=2, head_dim=16),
@@ -22,8 +22,8 @@ def checkpoint(request, tmp_path_factory):
 def test_logits_match_transformers_through_paged_cache(checkpoint):
     """Ragged prefill, then mixed decode/chunked-prefill steps crossing page boundaries."""
     rng = np.random.default_rng(0)
-    reference = Qwen3Reference(checkpoint)
-    vocab = reference.model.config.vocab_size
+    reference = Reference(checkpoint)
+    vocab = reference.vocab_size
     stepper = Stepper(checkpoint, page_size=16)
     prompts = {name: list(rng.integers(0, vocab, n)) for name, n in
                [("a", 5), ("b", 37), ("c", 1), ("d", 20)]}

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.server import Server
-from tests.tiny import Qwen3Reference, make_qwen3
+from tests.tiny import Reference, make_qwen3
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 8
@@ -43,9 +43,9 @@ def complete_all(server, prompts, max_tokens=MAX_TOKENS):
 
 
 def test_concurrent_greedy_matches_transformers(server, qwen3_structural):
-    reference = Qwen3Reference(qwen3_structural)
+    reference = Reference(qwen3_structural)
     rng = np.random.default_rng(0)
-    vocab = reference.model.config.vocab_size
+    vocab = reference.vocab_size
     prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 2, 7, 16, 33, 64, 150, 300)]
     got = complete_all(server, prompts)
     for prompt, ids in zip(prompts, got):
@@ -54,8 +54,8 @@ def test_concurrent_greedy_matches_transformers(server, qwen3_structural):
 
 def test_long_context_prompt(server, qwen3_structural):
     """6,000 prompt tokens with --max-model-len 8192: completes, first greedy tokens match."""
-    reference = Qwen3Reference(qwen3_structural)
-    prompt = np.random.default_rng(1).integers(0, reference.model.config.vocab_size, 6000).tolist()
+    reference = Reference(qwen3_structural)
+    prompt = np.random.default_rng(1).integers(0, reference.vocab_size, 6000).tolist()
     (ids, ) = complete_all(server, [prompt], max_tokens=4)
     assert ids == reference.greedy(prompt, 4)
 
@@ -79,7 +79,7 @@ def test_chat_uses_template_and_matches_transformers(server, qwen3_structural):
         model="tiny", messages=messages, max_tokens=6, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True})
     assert reply.prompt_token_ids == prompt
-    assert reply.choices[0].token_ids == Qwen3Reference(qwen3_structural).greedy(prompt, 6)
+    assert reply.choices[0].token_ids == Reference(qwen3_structural).greedy(prompt, 6)
     stream = server.client().chat.completions.create(
         model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
@@ -104,9 +104,9 @@ def test_builtin_qwen3_through_the_same_portability_layer(tmp_path):
     """
     checkpoint = make_qwen3(tmp_path / "qwen3", structural=False, num_heads=4, num_kv_heads=1,
                             head_dim=128)
-    reference = Qwen3Reference(checkpoint)
+    reference = Reference(checkpoint)
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, reference.model.config.vocab_size, n).tolist()
+    prompts = [rng.integers(0, reference.vocab_size, n).tolist()
                for n in (3, 40, 129)]
     with Server(checkpoint, "--dtype", "float32", "--max-model-len", "512",
                 "--kv-cache-memory-bytes", "67108864", "--served-model-name", "tiny",

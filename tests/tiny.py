@@ -84,14 +84,88 @@ def make_qwen3(directory: Path, *, structural: bool = True, tied: bool = False,
     return directory
 
 
-class Qwen3Reference:
-    """transformers' Qwen3ForCausalLM in fp32, plus the structural head in torch."""
+def make_gemma3(directory: Path, *, num_layers: int = 6, sliding_window: int = 16,
+                num_heads: int = 4, num_kv_heads: int = 1, head_dim: int = 32,
+                hidden_size: int = 64, intermediate_size: int = 128, vocab_size: int = 384,
+                query_pre_attn_scalar: int = 24, attn_logit_softcapping: float | None = None,
+                final_logit_softcapping: float | None = None, rope_scaling: dict | None = None,
+                max_position_embeddings: int = 4096, seed: int = 0) -> Path:
+    """Writes an HF Gemma 3 text checkpoint (5 local layers, then a global one)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    def __init__(self, directory: Path):
-        from transformers import Qwen3ForCausalLM
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(directory, vocab_size)
+    full = {"rope_type": "default", "rope_theta": 1_000_000.0, **(rope_scaling or {})}
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, sliding_window=sliding_window,
+        query_pre_attn_scalar=query_pre_attn_scalar, attn_logit_softcapping=attn_logit_softcapping,
+        final_logit_softcapping=final_logit_softcapping, initializer_range=0.08,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)  # Gemma scales by (1 + weight)
+        model.model.embed_tokens.weight.normal_(0, 0.05)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_lora(base: Path, out: Path, *, targets=("q_proj", "k_proj", "v_proj", "o_proj",
+              "gate_proj", "up_proj", "down_proj"), r: int = 4, alpha: float = 16,
+              use_rslora: bool = False, seed: int = 0) -> Path:
+    """A PEFT LoRA adapter on the base model, with random (non-zero) A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                        use_rslora=use_rslora, init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out)
+    return Path(out)
+
+
+def _register_softcap_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
+
+    def eager_softcap(module, *args, **kwargs):
+        return eager_attention_forward(module, *args, softcap=module.attn_logit_softcapping, **kwargs)
+
+    AttentionInterface.register("eager_softcap", eager_softcap)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("eager_softcap", eager_mask)
+
+
+class Reference:
+    """transformers in fp32 (Qwen3 or Gemma 3), optionally with a PEFT adapter
+    merged by peft's merge_and_unload, plus the structural head in torch."""
+
+    def __init__(self, directory: Path, adapter: Path | None = None):
+        from transformers import AutoModelForCausalLM
 
         directory = Path(directory)
-        self.model = Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        config = json.loads((directory / "config.json").read_text())
+        # transformers' Gemma 3 never passes attn_logit_softcapping to its attention
+        # (released Gemma 3 configs leave it unset); apply it as Gemma 2 does.
+        impl = "eager_softcap" if config.get("attn_logit_softcapping") else None
+        if impl:
+            _register_softcap_attention()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation=impl).eval()
+        if adapter is not None:
+            from peft import PeftModel
+            self.model = PeftModel.from_pretrained(self.model, adapter).merge_and_unload().eval()
         tensors = {}
         for file in directory.glob("*.safetensors"):
             tensors.update(load_file(file))
@@ -101,14 +175,18 @@ class Qwen3Reference:
             self.head.load_state_dict({"weight": tensors["structural_head.weight"].float(),
                                        "bias": tensors["structural_head.bias"].float()})
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     @torch.no_grad()
     def logits(self, token_ids) -> np.ndarray:
         """[L, V] next-token logits for every prefix of token_ids."""
         ids = torch.tensor([list(token_ids)])
+        if self.head is None:
+            return self.model(input_ids=ids).logits[0].numpy()
         hidden = self.model.model(input_ids=ids).last_hidden_state  # after model.norm
-        if self.head is not None:
-            hidden = torch.tanh(self.head(hidden))
-        return self.model.lm_head(hidden)[0].numpy()
+        return self.model.lm_head(torch.tanh(self.head(hidden)))[0].numpy()
 
     @torch.no_grad()
     def greedy(self, token_ids, max_tokens: int) -> list[int]:
@@ -116,6 +194,8 @@ class Qwen3Reference:
         for _ in range(max_tokens):
             ids.append(int(self.logits(ids)[-1].argmax()))
         return ids[len(token_ids):]
+
+
 
 
 def reshard(directory: Path, num_shards: int = 3) -> Path:

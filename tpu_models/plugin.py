@@ -1,11 +1,18 @@
 """vLLM general plugin: puts our architectures into tpu-inference's registry.
 
 vLLM runs it in every process (API server, engine core, workers), possibly more
-than once, so it only registers and is idempotent.
+than once, so it only registers, idempotently.
 """
 
-ARCHITECTURES = {
+# Architectures vLLM does not know: registered with tpu-inference *and* vLLM
+# (register_model adds a vLLM-side placeholder so config validation accepts it).
+NEW_ARCHITECTURES = {
     "Qwen3StructuralForCausalLM": "tpu_models.qwen3_structural",
+}
+# Architectures vLLM already runs in PyTorch: registered with tpu-inference only,
+# so MODEL_IMPL_TYPE=vllm keeps vLLM's own implementation.
+NATIVE_ARCHITECTURES = {
+    "Gemma3ForCausalLM": "tpu_models.gemma3",
 }
 
 
@@ -18,9 +25,13 @@ def register() -> None:
 
     from tpu_models.attention import PortableAttentionBackend
 
-    for arch, module in ARCHITECTURES.items():
+    for arch, module in NEW_ARCHITECTURES.items():
         if arch not in _MODEL_REGISTRY:
             register_model(arch, getattr(importlib.import_module(module), arch))
+    for arch, module in NATIVE_ARCHITECTURES.items():
+        # register_model would also replace vLLM's PyTorch class with a JAX
+        # placeholder; tpu-inference's registry is the dict it writes into.
+        _MODEL_REGISTRY.setdefault(arch, getattr(importlib.import_module(module), arch))
     if PortableAttentionBackend.name not in _REGISTERED_BACKENDS:
         register_attention_backend(
             PortableAttentionBackend.name, attention=PortableAttentionBackend,

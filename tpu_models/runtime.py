@@ -16,8 +16,12 @@ from tpu_inference.utils import get_mesh_shape_product
 from vllm.config import VllmConfig
 
 from loaders.hf import HfCheckpoint
+from loaders.lora import LoraAdapter
 
 logger = init_logger(__name__)
+
+# --additional-config key naming a PEFT adapter directory to merge while loading.
+LORA_KEY = "merge_lora"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +58,8 @@ def model_directory(vllm_config: VllmConfig) -> str:
 
 
 def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) -> set[str]:
-    """Checks the checkpoint against `table`, then streams it into `model`.
+    """Checks the checkpoint (and LoRA adapter, if any) against `table`, then
+    streams it into `model`, merging the adapter on the way.
 
     tpu-inference's loader maps HF names onto our HF-named modules, shards each
     tensor onto the mesh and runs quantization hooks. Checking first means a
@@ -62,7 +67,14 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) ->
     """
     checkpoint = HfCheckpoint(model_directory(model.vllm_config))
     checkpoint.check(table, optional=optional)
+    tensors = checkpoint.iter_tensors()
+    adapter_dir = (model.vllm_config.additional_config or {}).get(LORA_KEY)
+    if adapter_dir:
+        adapter = LoraAdapter(adapter_dir)
+        adapter.check_base(table)
+        logger.info("tpu-models: merging LoRA %s (rank %d, scale %.4g) into %d weights",
+                    adapter_dir, adapter.rank, adapter.scale, len(adapter.targets))
+        tensors = adapter.merge(tensors)
     logger.info("tpu-models: loading %d tensors from %s", len(checkpoint.tensors),
                 checkpoint.directory)
-    loaded = LoadableWithIterator.load_weights(model, checkpoint.iter_tensors())
-    return loaded
+    return LoadableWithIterator.load_weights(model, tensors)
