@@ -6,7 +6,8 @@ USAGE = """usage: tpu-models <command> [args]
 
 commands:
   serve    serve a model (default: the embedded demo) with the real `vllm serve`
-  export   convert checkpoints to HF safetensors (lora-merge)
+  export   convert checkpoints to HF safetensors (lora-merge, gemma3-text)
+  bench    serving benchmarks (serve)
 """
 
 
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "export":
         from server import export
         export.main(rest)
+    elif command == "bench":
+        from server import bench
+        bench.main(rest)
     else:
         sys.exit(f"tpu-models: unknown command {command!r}\n{USAGE}")
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from loaders.hf import CheckpointError
 from tests.engine import Stepper
-from tests.server import Server
+from server.process import Server
 from tests.tiny import make_qwen3
 
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server import Server
+from server.process import Server
 from tests.tiny import Reference, make_qwen3
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""Starts the real `tpu-models serve` (hence `vllm serve`) on loopback for a test."""
+"""A `tpu-models serve` (hence `vllm serve`) process on loopback, for tests and benchmarks."""
 
 import os
 import signal
@@ -20,13 +20,17 @@ def free_port() -> int:
 
 
 class Server:
-    """`with Server(model_dir, "--dtype", "float32") as s:` -> s.url, s.client()."""
+    """`with Server(model_dir, "--dtype", "float32", log=path) as s:` -> s.url, s.client().
 
-    def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None):
+    `command` replaces `tpu-models serve` (e.g. ["vllm", "serve"] for plain vLLM).
+    """
+
+    def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None,
+                 command: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "server.cli", "serve",
-                        *([str(model)] if model else []), "--port", str(self.port), *args]
+        base = command or [sys.executable, "-m", "server.cli", "serve"]
+        self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
         self.log_path = log
         self.env = {**os.environ, **(env or {})}
         self.process = None

@@ -1,0 +1,195 @@
+"""Serving benchmark: drives an OpenAI-compatible server with the async openai client.
+
+Metrics follow `vllm bench serve` (vllm/benchmarks/serve.py):
+- TTFT: request start to the first streamed token;
+- TPOT: (latency - TTFT) / (output tokens - 1), per request;
+- ITL: gaps between consecutive streamed chunks, over all requests;
+- E2EL: request start to its last token;
+- throughputs: completed requests, output tokens and input+output tokens per
+  second of the whole run's duration.
+Prompts are random token ids of exactly `input_len` tokens; every request
+generates exactly `output_len` tokens (ignore_eos), and the server's usage
+counts are checked against both.
+"""
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass
+class Result:
+    ok: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list = dataclasses.field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client, model: str, prompt: list[int], output_len: int) -> Result:
+    result = Result()
+    start = last = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+            if chunk.usage:
+                result.prompt_tokens = chunk.usage.prompt_tokens
+                result.output_tokens = chunk.usage.completion_tokens
+        result.latency = last - start
+        if result.prompt_tokens != len(prompt) or result.output_tokens != output_len:
+            result.error = (f"token counts {result.prompt_tokens}/{result.output_tokens}, "
+                            f"expected {len(prompt)}/{output_len}")
+        else:
+            result.ok = True
+    except Exception as e:  # a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0,
+                   avoid: set[int] = frozenset()) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    allowed = np.array([t for t in range(vocab_size) if t not in avoid])
+    return [rng.choice(allowed, input_len).tolist() for _ in range(num)]
+
+
+async def run_load(client, model: str, prompts: list[list[int]], output_len: int, *,
+                   concurrency: int | None = None, request_rate: float = math.inf,
+                   seed: int = 0) -> tuple[list[Result], float]:
+    """Sends every prompt, at most `concurrency` at once, arriving as a Poisson
+    process of `request_rate` per second (inf: all at once). Returns (results, seconds)."""
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    rng = np.random.default_rng(seed)
+
+    async def limited(prompt):
+        async with limit:
+            return await one_request(client, model, prompt, output_len)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(limited(prompt)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def _stats(name: str, values_s: list[float]) -> dict:
+    values = np.asarray(values_s or [0.0]) * 1000
+    out = {f"mean_{name}_ms": float(values.mean())}
+    out.update({("median" if p == 50 else f"p{p}") + f"_{name}_ms": float(np.percentile(values, p))
+                for p in PERCENTILES})
+    return out
+
+
+def metrics(results: list[Result], duration: float) -> dict:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    m = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+    }
+    m.update(_stats("ttft", [r.ttft for r in done]))
+    m.update(_stats("tpot", tpots))
+    m.update(_stats("itl", [x for r in done for x in r.itl]))
+    m.update(_stats("e2el", [r.latency for r in done]))
+    return m
+
+
+def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_len: int,
+          num_prompts: int, concurrencies: list[int], request_rate: float = math.inf,
+          warmup: int = 2, seed: int = 0, avoid_tokens: set[int] = frozenset()) -> list[dict]:
+    """One run per concurrency (after `warmup` requests); returns a row of metrics each."""
+    from openai import AsyncOpenAI
+
+    async def main():
+        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600,
+                             max_retries=0)
+        warm = random_prompts(warmup, input_len, vocab_size, seed + 1, avoid_tokens)
+        await run_load(client, model, warm, output_len, concurrency=warmup)
+        rows = []
+        for concurrency in concurrencies:
+            prompts = random_prompts(num_prompts, input_len, vocab_size, seed, avoid_tokens)
+            results, duration = await run_load(client, model, prompts, output_len,
+                                               concurrency=concurrency, request_rate=request_rate,
+                                               seed=seed)
+            rows.append({"concurrency": concurrency, "request_rate": request_rate,
+                         "input_len": input_len, "output_len": output_len,
+                         "num_prompts": num_prompts, **metrics(results, duration)})
+        await client.close()
+        return rows
+
+    return asyncio.run(main())
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    columns = [("concurrency", "conc", "{:d}"), ("completed", "done", "{:d}"),
+               ("failed", "failed", "{:d}"), ("request_throughput", "req/s", "{:.2f}"),
+               ("output_throughput", "out tok/s", "{:.1f}"),
+               ("total_token_throughput", "total tok/s", "{:.1f}"),
+               ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"), ("p99_ttft_ms", "TTFT p99", "{:.1f}"),
+               ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"), ("p99_tpot_ms", "TPOT p99", "{:.2f}"),
+               ("median_itl_ms", "ITL p50 ms", "{:.2f}"), ("median_e2el_ms", "E2E p50 ms", "{:.0f}")]
+    for _, header, _ in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*[fmt.format(row[key]) for key, _, fmt in columns])
+    Console(width=200).print(table)
+
+
+def plot(rows_by_label: dict[str, list[dict]], path: Path) -> None:
+    """Output throughput and median TPOT against concurrency, one line per label."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, rows in rows_by_label.items():
+        x = [r["concurrency"] for r in rows]
+        left.plot(x, [r["output_throughput"] for r in rows], marker="o", label=label)
+        right.plot(x, [r["median_tpot_ms"] for r in rows], marker="o", label=label)
+    for ax, ylabel in ((left, "output tokens/s"), (right, "median TPOT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: Path, document: dict) -> None:
+    path.write_text(json.dumps(document, indent=2) + "\n")

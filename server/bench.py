@@ -1,0 +1,86 @@
+"""`tpu-models bench`: serving benchmarks (the measuring lives in benchmarks/)."""
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpu-models bench")
+    sub = p.add_subparsers(dest="kind", required=True)
+    serve = sub.add_parser("serve", help="throughput and latency of a server, vLLM's metrics")
+    target = serve.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="an OpenAI-compatible server already running")
+    target.add_argument("--model", help="start `tpu-models serve MODEL` on loopback and measure it")
+    serve.add_argument("--server-args", default="", help="extra arguments for the started server")
+    serve.add_argument("--tokenizer", help="tokenizer directory (default: --model); sets the "
+                                           "vocabulary random prompts are drawn from")
+    serve.add_argument("--input-len", type=int, default=128)
+    serve.add_argument("--output-len", type=int, default=128)
+    serve.add_argument("--num-prompts", type=int, default=32)
+    serve.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
+                       help="comma-separated sweep, e.g. 1,2,4,8")
+    serve.add_argument("--request-rate", type=float, default=math.inf,
+                       help="Poisson arrivals per second (default: all at once)")
+    serve.add_argument("--warmup", type=int, default=2)
+    serve.add_argument("--out", default="bench-serve.json", help="JSON results")
+    serve.add_argument("--plot", help="PNG of throughput and TPOT against concurrency")
+    return p
+
+
+def _vocabulary(tokenizer_dir: str) -> tuple[int, set[int]]:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return len(tokenizer), set(tokenizer.all_special_ids)
+
+
+def bench_serve(args) -> dict:
+    from benchmarks import serving
+    from server.process import Server
+
+    tokenizer = args.tokenizer or args.model
+    if tokenizer is None:
+        sys.exit("tpu-models bench serve: --tokenizer is needed with --base-url")
+    vocab_size, special = _vocabulary(tokenizer)
+    server = None
+    if args.model:
+        log = Path(tempfile.mkdtemp(prefix="tpu-models-bench-")) / "serve.log"
+        server = Server(args.model, "--served-model-name", "bench",
+                        *shlex.split(args.server_args), log=log).start()
+        base_url, model = server.url, "bench"
+        print(f"server up in {server.startup_seconds:.1f}s (log: {log})")
+    else:
+        base_url = args.base_url.rstrip("/")
+        from openai import OpenAI
+        model = OpenAI(base_url=f"{base_url}/v1", api_key="unused").models.list().data[0].id
+    try:
+        rows = serving.sweep(base_url, model, vocab_size=vocab_size, input_len=args.input_len,
+                             output_len=args.output_len, num_prompts=args.num_prompts,
+                             concurrencies=args.concurrency, request_rate=args.request_rate,
+                             warmup=args.warmup, avoid_tokens=special)
+    finally:
+        if server:
+            server.stop()
+    serving.print_table(rows, f"{model}: {args.input_len} in / {args.output_len} out tokens")
+    document = {"model": args.model or model, "base_url": base_url, "rows": rows}
+    serving.write_json(Path(args.out), document)
+    if args.plot:
+        serving.plot({args.model or model: rows}, Path(args.plot))
+    print(json.dumps({"benchmark": "serve", "rows": [
+        {k: r[k] for k in ("concurrency", "output_throughput", "median_ttft_ms",
+                           "median_tpot_ms", "failed")} for r in rows]}))
+    return document
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    if args.kind == "serve":
+        bench_serve(args)
