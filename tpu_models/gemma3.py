@@ -43,7 +43,8 @@ ACTIVATIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class Gemma3Config:
-    vocab_size: int  # padded to a multiple of the vocab shards
+    vocab_size: int  # as in the checkpoint
+    padded_vocab_size: int  # rounded up to a multiple of the vocab shards
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -55,7 +56,8 @@ class Gemma3Config:
     param_dtype: Any  # stored weights
 
     @classmethod
-    def from_hf_config(cls, hf, *, dtype, param_dtype=None, vocab_shards: int = 1):
+    def from_hf_config(cls, hf, *, dtype, param_dtype=None, vocab_shards: int = 1,
+                       head_shards: int = 1):
         if hf.hidden_activation not in ACTIVATIONS:
             raise ValueError(f"Gemma 3: hidden_activation {hf.hidden_activation!r} is not supported "
                              f"({', '.join(ACTIVATIONS)})")
@@ -71,10 +73,11 @@ class Gemma3Config:
                 num_kv_heads=hf.num_key_value_heads, head_dim=head_dim, rope=rope[kind],
                 scale=hf.query_pre_attn_scalar**-0.5, bias=bool(hf.attention_bias),
                 sliding_window=hf.sliding_window if kind == "sliding_attention" else None,
-                soft_cap=hf.attn_logit_softcapping)
+                soft_cap=hf.attn_logit_softcapping, head_shards=head_shards)
             for kind in layer_types)
         return cls(
-            vocab_size=-(-hf.vocab_size // vocab_shards) * vocab_shards,
+            vocab_size=hf.vocab_size,
+            padded_vocab_size=-(-hf.vocab_size // vocab_shards) * vocab_shards,
             hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers, layers=layers, activation=hf.hidden_activation,
             rms_norm_eps=hf.rms_norm_eps, final_logit_softcapping=hf.final_logit_softcapping,
@@ -140,7 +143,7 @@ class Gemma3Model(JaxModule):
     def __init__(self, cfg: Gemma3Config, *, rngs, mesh, engine: runtime.Engine):
         self.cfg = cfg
         self.embed_tokens = JaxEmbed(
-            cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            cfg.padded_vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             embedding_init=sharded(ShardingAxisName.VOCAB, None), rngs=rngs,
             quant_config=engine.quant_config, prefix="model.embed_tokens")
         self.layers = nnx.List([
@@ -166,7 +169,8 @@ class Gemma3ForCausalLM(JaxModule, LoadableWithIterator):
         engine = runtime.Engine.from_vllm_config(vllm_config, mesh)
         self.cfg = Gemma3Config.from_hf_config(vllm_config.model_config.hf_text_config,
                                                dtype=engine.dtype,
-                                               vocab_shards=engine.vocab_shards)
+                                               vocab_shards=engine.vocab_shards,
+                                               head_shards=engine.head_shards)
         self.vllm_config = vllm_config
         self.model = Gemma3Model(self.cfg, rngs=nnx.Rngs(rng_key), mesh=mesh, engine=engine)
 
@@ -180,7 +184,7 @@ class Gemma3ForCausalLM(JaxModule, LoadableWithIterator):
         logits = self.model.embed_tokens.decode(hidden)  # [T, V], tied
         if cap := self.cfg.final_logit_softcapping:
             logits = cap * jnp.tanh(logits / cap)
-        return logits
+        return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)
 
     def load_weights(self, weights=None):
         return runtime.load_checkpoint(self, gemma3_table(self.vllm_config.model_config.hf_text_config))

@@ -153,6 +153,15 @@ class AttentionConfig:
     bias: bool = False
     sliding_window: int | None = None
     soft_cap: float | None = None
+    head_shards: int = 1  # tensor-parallel devices the heads are split over
+
+    def __post_init__(self):
+        if self.num_heads % self.head_shards:
+            raise ValueError(f"{self.num_heads} attention heads do not split over "
+                             f"tensor parallel size {self.head_shards}")
+        if self.num_kv_heads % self.head_shards and self.head_shards % self.num_kv_heads:
+            raise ValueError(f"{self.num_kv_heads} KV heads and tensor parallel size "
+                             f"{self.head_shards}: one must divide the other")
 
 
 class Attention(JaxModule):
@@ -171,7 +180,10 @@ class Attention(JaxModule):
         self.cfg = cfg
         self.mesh = mesh
         self.backend = backend
-        heads, kv_heads = ShardingAxisName.ATTN_HEAD, ShardingAxisName.KV_HEAD
+        heads = ShardingAxisName.ATTN_HEAD
+        # Fewer KV heads than shards: every device computes all of them (cheap:
+        # K is small) and attention hands each shard the copy its queries use.
+        kv_heads = ShardingAxisName.KV_HEAD if cfg.num_kv_heads % cfg.head_shards == 0 else None
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         def proj(name, spec, shape, axes, bias_shape, bias_axes):

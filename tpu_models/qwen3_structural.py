@@ -34,7 +34,8 @@ from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharde
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3StructuralConfig:
-    vocab_size: int  # padded to a multiple of the vocab shards
+    vocab_size: int  # as in the checkpoint
+    padded_vocab_size: int  # rounded up to a multiple of the vocab shards
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -45,7 +46,8 @@ class Qwen3StructuralConfig:
     param_dtype: Any  # stored weights
 
     @classmethod
-    def from_hf_config(cls, hf, *, dtype, param_dtype=None, vocab_shards: int = 1):
+    def from_hf_config(cls, hf, *, dtype, param_dtype=None, vocab_shards: int = 1,
+                       head_shards: int = 1):
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         rope = Rope.from_hf(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
                             or {"rope_theta": getattr(hf, "rope_theta", 10000.0)},
@@ -56,10 +58,12 @@ class Qwen3StructuralConfig:
                 hidden_size=hf.hidden_size, num_heads=hf.num_attention_heads,
                 num_kv_heads=hf.num_key_value_heads, head_dim=head_dim, rope=rope,
                 scale=head_dim**-0.5, bias=bool(getattr(hf, "attention_bias", False)),
-                sliding_window=hf.sliding_window if kind == "sliding_attention" else None)
+                sliding_window=hf.sliding_window if kind == "sliding_attention" else None,
+                head_shards=head_shards)
             for kind in layer_types)
         return cls(
-            vocab_size=-(-hf.vocab_size // vocab_shards) * vocab_shards,
+            vocab_size=hf.vocab_size,
+            padded_vocab_size=-(-hf.vocab_size // vocab_shards) * vocab_shards,
             hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers, layers=layers, rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(hf.tie_word_embeddings), dtype=dtype,
@@ -98,7 +102,7 @@ class Qwen3Model(JaxModule):
 
     def __init__(self, cfg: Qwen3StructuralConfig, *, rngs, mesh, engine: runtime.Engine):
         self.embed_tokens = JaxEmbed(
-            cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            cfg.padded_vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
             embedding_init=sharded(ShardingAxisName.VOCAB, None), rngs=rngs,
             quant_config=engine.quant_config, prefix="model.embed_tokens")
         self.layers = nnx.List([
@@ -120,7 +124,8 @@ class Qwen3StructuralForCausalLM(JaxModule, LoadableWithIterator):
         engine = runtime.Engine.from_vllm_config(vllm_config, mesh)
         hf = vllm_config.model_config.hf_config
         self.cfg = cfg = Qwen3StructuralConfig.from_hf_config(
-            hf, dtype=engine.dtype, vocab_shards=engine.vocab_shards)
+            hf, dtype=engine.dtype, vocab_shards=engine.vocab_shards,
+            head_shards=engine.head_shards)
         self.vllm_config = vllm_config
         rngs = nnx.Rngs(rng_key)
         self.model = Qwen3Model(cfg, rngs=rngs, mesh=mesh, engine=engine)
@@ -132,7 +137,7 @@ class Qwen3StructuralForCausalLM(JaxModule, LoadableWithIterator):
             bias_init=nnx.with_partitioning(nnx.initializers.zeros, (ShardingAxisName.MLP_TENSOR, )),
             quant_config=engine.quant_config, prefix="structural_head")
         if not cfg.tie_word_embeddings:
-            self.lm_head = JaxLmHead(D, cfg.vocab_size, rngs=rngs, dtype=cfg.dtype,
+            self.lm_head = JaxLmHead(D, cfg.padded_vocab_size, rngs=rngs, dtype=cfg.dtype,
                                      param_dtype=cfg.param_dtype,
                                      kernel_init=sharded(None, ShardingAxisName.VOCAB))
 
@@ -145,8 +150,10 @@ class Qwen3StructuralForCausalLM(JaxModule, LoadableWithIterator):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         x = jnp.tanh(self.structural_head(hidden))  # [T, D]
         if self.cfg.tie_word_embeddings:
-            return self.model.embed_tokens.decode(x)  # [T, V]
-        return self.lm_head(x)  # [T, V]
+            logits = self.model.embed_tokens.decode(x)  # [T, V]
+        else:
+            logits = self.lm_head(x)  # [T, V]
+        return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)
 
     def load_weights(self, weights=None):
         hf = self.vllm_config.model_config.hf_config

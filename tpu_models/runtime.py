@@ -32,6 +32,7 @@ class Engine:
     kv_cache_dtype: str  # "auto" or e.g. "fp8"
     attention_backend: AttentionBackend
     vocab_shards: int  # devices the vocabulary is split over
+    head_shards: int  # devices the attention heads are split over (tensor parallelism)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig, mesh: Mesh) -> "Engine":
@@ -43,7 +44,16 @@ class Engine:
             quant_config=getattr(vllm_config, "quant_config", None),
             kv_cache_dtype=vllm_config.cache_config.cache_dtype,
             attention_backend=create_attention_backend(attention_backend_name(vllm_config)),
-            vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB))
+            vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB),
+            head_shards=get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD))
+
+
+def mask_padded_vocab(logits, vocab_size: int):
+    """Padding columns (vocabularies rounded up to the shard count) can never be sampled."""
+    import jax.numpy as jnp
+    if logits.shape[-1] == vocab_size:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, jnp.finfo(logits.dtype).min)
 
 
 def model_directory(vllm_config: VllmConfig) -> str:
