@@ -1,0 +1,49 @@
+"""The same tokens on 1, 2 and 4 (fake CPU) devices, KV heads fewer than devices included."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from server.process import Server
+from tests.test_serve_e2e import complete_all
+from tests.tiny import Reference, make_gemma3, make_qwen3
+
+FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+MODELS = {
+    # one KV head for 2 and 4 shards; a vocabulary no shard count divides
+    "qwen3-structural": lambda d: make_qwen3(d, num_heads=4, num_kv_heads=1, vocab_size=383),
+    "gemma3": lambda d: make_gemma3(d, num_heads=4, num_kv_heads=1, vocab_size=383),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_greedy_tokens_equal_across_tensor_parallel_sizes(model, tmp_path):
+    directory = MODELS[model](tmp_path / model)
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, "-m", "tests.tp_worker", str(directory), str(out)],
+                   check=True, timeout=900, env={**os.environ, **FOUR_DEVICES},
+                   cwd=os.path.dirname(os.path.dirname(__file__)))
+    results = json.loads(out.read_text())
+    for tp in ("2", "4"):
+        assert results[tp]["tokens"] == results["1"]["tokens"], f"TP={tp}"
+        for name, logits in results[tp]["logits"].items():
+            np.testing.assert_allclose(logits[:383], results["1"]["logits"][name][:383], atol=1e-4)
+            assert max(logits[383:], default=-np.inf) < -1e30  # padding is never sampled
+
+
+@pytest.mark.e2e
+def test_vllm_serve_tensor_parallel_2_matches_transformers(tmp_path):
+    directory = make_gemma3(tmp_path / "gemma3", num_heads=4, num_kv_heads=1, vocab_size=383)
+    reference = Reference(directory)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 380, n).tolist() for n in (2, 30, 90)]
+    with Server(directory, "--dtype", "float32", "--max-model-len", "512",
+                "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "67108864",
+                "--served-model-name", "tiny", log=tmp_path / "serve.log", env=FOUR_DEVICES) as s:
+        got = complete_all(s, prompts)
+    for prompt, ids in zip(prompts, got):
+        assert ids == reference.greedy(prompt, 8)
