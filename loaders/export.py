@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import numpy as np
+
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.hf_writer import HfWriter
 from loaders.lora import LoraAdapter
@@ -23,6 +25,7 @@ def copy_side_files(source: Path, writer: HfWriter) -> None:
 def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
                overwrite: bool = False) -> Path:
     """Writes base + LoRA adapter, merged, as a new HF checkpoint at `out`."""
+    check_out(out, overwrite)
     base = Path(base)
     config_path = base / "config.json"
     if not config_path.exists():
@@ -52,6 +55,7 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *,
 
     `text_config` is the complete text config (defaults filled in by the caller).
     """
+    check_out(out, overwrite)
     from loaders.tables import gemma3_table
 
     source = Path(source)
@@ -77,4 +81,246 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *,
         for name in SIDE_FILES:
             if name != "config.json" and (source / name).exists():
                 writer.copy_file(source / name)
+    return Path(out)
+
+
+def plan_export(shape_of, leaves: set[str], rules: dict, table: dict, *, where: str,
+                optional: tuple = ()) -> list[tuple[str, "Rule"]]:
+    """Checks, from metadata alone, that `rules` turn the source leaves into exactly
+    the HF tensors of `table`: returns [(hf_name, rule)] or raises naming the fault."""
+    import jax
+    import numpy as np
+
+    plan, used, problems = [], set(), []
+    for name, want in table.items():
+        rule = rules.get(name)
+        if rule is None:
+            if name not in optional:
+                problems.append(f"no source for HF tensor {name}")
+            continue
+        if rule.source not in leaves:
+            problems.append(f"missing tensor {rule.source} (for {name})")
+            continue
+        used.add(rule.source)
+        source = jax.ShapeDtypeStruct(shape_of(rule.source), np.float32)
+        try:
+            got = tuple(jax.eval_shape(rule.to_hf_array, source).shape)
+        except Exception as e:  # einops/indexing refuse an impossible layout
+            problems.append(f"tensor {rule.source} {list(source.shape)} cannot become {name} ({e})")
+            continue
+        if got != tuple(want):
+            problems.append(f"tensor {rule.source} {list(source.shape)} gives {name} of shape "
+                            f"{list(got)}, config.json implies {list(want)}")
+            continue
+        plan.append((name, rule))
+    if unexpected := sorted(leaves - used):
+        problems.append(f"unexpected tensors (more layers than config.json says? another "
+                        f"model?): {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+    if problems:
+        more = f"; ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise CheckpointError(f"{where}: " + "; ".join(problems[:8]) + more)
+    return plan
+
+
+def check_out(out: str | Path, overwrite: bool) -> None:
+    """Refuses an existing output directory before any work (HfWriter checks again)."""
+    if Path(out).exists() and not overwrite:
+        raise CheckpointError(f"{Path(out).absolute()} already exists (pass --overwrite to "
+                              "replace it)")
+
+
+def _cast(array, dtype):
+    import numpy as np
+    if dtype is None:
+        return array
+    import ml_dtypes
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    return array.astype(target)
+
+
+def _config_with_dtype(config: dict, dtype: str | None) -> dict:
+    return config if dtype is None else {**config, "dtype": dtype, "torch_dtype": dtype}
+
+
+def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *,
+          lora_alpha: float | None = None, adapter_only: bool = False,
+          dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
+    """A Tunix checkpoint as an HF checkpoint (config and tokenizer from `base`).
+
+    Full weights are converted; LoRA-only states are merged into `base` with
+    alpha / rank, or written as a PEFT adapter with `adapter_only`.
+    """
+    check_out(out, overwrite)
+    import torch
+
+    from loaders.rules import expand
+    from loaders.tunix import TunixCheckpoint
+
+    base = Path(base)
+    config = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() \
+        else None
+    if config is None:
+        raise CheckpointError(f"{base}: no config.json (the HF checkpoint the run started from)")
+    table, optional = table_for(config)
+    source = TunixCheckpoint(checkpoint)
+    where = str(source.orbax.item)
+
+    if not source.is_lora:
+        if adapter_only:
+            raise CheckpointError(f"{where}: --adapter-only needs a LoRA checkpoint; this one "
+                                  "holds full weights")
+        rules = expand(source.weight_table(), config["num_hidden_layers"])
+        plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
+                           optional=optional)
+        with HfWriter(out, overwrite=overwrite) as writer:
+            for name, rule in _progress(plan, progress, "tensors"):
+                writer.add(name, _cast(rule.to_hf_array(source.read(rule.source)), dtype))
+            copy_side_files(base, writer)
+            writer.write_json("config.json", _config_with_dtype(config, dtype))
+        return Path(out)
+
+    alpha = lora_alpha if lora_alpha is not None else _alpha_from_metadata(source)
+    pairs = source.lora_pairs()
+    rank = next(iter(pairs.values()))[0].shape[0]
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                   "use_rslora": False, "bias": "none", "base_model_name_or_path": str(base),
+                   "target_modules": sorted({n.split(".")[-2] for n in pairs})}
+    tensors = {}
+    for name, (a, b) in pairs.items():
+        module = name.removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.from_numpy(np.ascontiguousarray(a))
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.from_numpy(np.ascontiguousarray(b))
+    adapter = LoraAdapter.from_tensors(peft_config, tensors, where)
+    adapter.check_base(table)
+    if adapter_only:
+        with HfWriter(out, overwrite=overwrite, weights_name="adapter_model",
+                      max_shard_bytes=2**62) as writer:  # PEFT reads one file
+            writer.add_all(adapter.peft_tensors().items())
+            writer.write_json("adapter_config.json", peft_config)
+        return Path(out)
+    checkpoint_base = HfCheckpoint(base)
+    checkpoint_base.check(table, optional=optional)
+    with HfWriter(out, overwrite=overwrite) as writer:
+        writer.add_all(adapter.merge(checkpoint_base.iter_tensors()))
+        copy_side_files(base, writer)
+    return Path(out)
+
+
+def _alpha_from_metadata(source) -> float:
+    meta = source.orbax.custom_metadata
+    for key in ("lora_alpha", "alpha"):
+        if key in meta:
+            return float(meta[key])
+    raise CheckpointError(f"{source.orbax.item}: a LoRA checkpoint stores no alpha; pass "
+                          "--lora-alpha (the alpha of the run's qwix.LoraProvider)")
+
+
+def _progress(items, progress, unit):
+    if progress is None:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=progress, unit=unit, disable=None)  # silent when not a terminal
+
+
+MAXTEXT_MODELS = ("qwen3-structural", "qwen3", "gemma3")
+
+
+def maxtext_config(model: str, dims: dict) -> dict:
+    """HF config.json for a MaxText decoder: sizes from the tensors, the rest from
+    MaxText's model configs (rope, norms, windows), which the checkpoint does not store."""
+    config = {**dims, "rms_norm_eps": 1e-6, "initializer_range": 0.02, "use_cache": True}
+    layers = dims["num_hidden_layers"]
+    if model == "gemma3":
+        config.update(
+            architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=dims["head_dim"],
+            sliding_window=1024, max_position_embeddings=131072,
+            final_logit_softcapping=None, attn_logit_softcapping=None,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                         for i in range(layers)],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": 10_000.0}})
+        config.pop("attention_bias")
+    else:
+        config.update(
+            architectures=["Qwen3StructuralForCausalLM" if model == "qwen3-structural"
+                           else "Qwen3ForCausalLM"],
+            model_type="qwen3", hidden_act="silu", max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            use_sliding_window=False, sliding_window=None, max_window_layers=layers,
+            layer_types=["full_attention"] * layers, attention_dropout=0.0)
+    return config
+
+
+def _token_ids(tokenizer: Path) -> dict:
+    """bos/eos ids named by tokenizer_config.json, looked up in tokenizer.json."""
+    try:
+        names = json.loads((tokenizer / "tokenizer_config.json").read_text())
+        vocab = json.loads((tokenizer / "tokenizer.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    ids.update(vocab.get("model", {}).get("vocab", {}) if isinstance(
+        vocab.get("model", {}).get("vocab"), dict) else {})
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        token = names.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token in ids:
+            out[f"{key}_id"] = ids[token]
+    return out
+
+
+def maxtext(checkpoint: str | Path, model: str, out: str | Path, *,
+            tokenizer: str | Path | None = None, dtype: str | None = None,
+            overrides: dict | None = None, scan: str = "auto", scan_axis: int = 1,
+            overwrite: bool = False, max_shard_bytes: int = 2 * 2**30, progress=None) -> Path:
+    """A MaxText checkpoint (scanned or not, training state or parameters only) as an
+    HF checkpoint: sharded safetensors + index, config.json, generation_config.json,
+    tokenizer files. Reads one tensor at a time; writes into a temporary directory
+    renamed into place at the end."""
+    check_out(out, overwrite)
+    from loaders.maxtext import MaxTextCheckpoint
+    from loaders.tables import table_for
+
+    if model not in MAXTEXT_MODELS:
+        raise ValueError(f"--model {model!r}: one of {', '.join(MAXTEXT_MODELS)}")
+    source = MaxTextCheckpoint(checkpoint, scan=scan, scan_axis=scan_axis)
+    where = str(source.orbax.item)
+    config = maxtext_config(model, source.dims())
+    config.update(overrides or {})
+    if config["num_hidden_layers"] != source.layout.num_layers:
+        raise CheckpointError(f"{where}: num_hidden_layers={config['num_hidden_layers']} but the "
+                              f"checkpoint holds {source.layout.describe()}")
+    if tokenizer is not None:
+        config.update(_token_ids(Path(tokenizer)))
+    rules = source.rules(model)
+    if model == "qwen3-structural" and "structural_head.weight" not in rules:
+        raise CheckpointError(f"{where}: --model qwen3-structural, but no .../structural_head/"
+                              "kernel anywhere in the tree (export it as --model qwen3?)")
+    table, optional = table_for(config)
+    plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
+                       optional=optional)
+    out_dtype = dtype or str(np.dtype(source.orbax.leaves[source.leaves[plan[0][1].source]][1]))
+    config["dtype"] = config["torch_dtype"] = out_dtype
+    # Grouped by source leaf: a scanned leaf is read once for all its layers.
+    plan.sort(key=lambda item: (item[1].source, item[1].index or 0))
+    cached_name, cached = None, None
+    with HfWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+        for name, rule in _progress(plan, progress, "tensors"):
+            if rule.source != cached_name:
+                cached_name, cached = rule.source, None
+                cached = source.read(rule.source)
+            writer.add(name, _cast(np.ascontiguousarray(rule.to_hf_array(cached)), dtype))
+        cached = None
+        writer.write_json("config.json", config)
+        writer.write_json("generation_config.json", {
+            k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        if tokenizer is not None:
+            for name in SIDE_FILES:
+                if name not in ("config.json", "generation_config.json") and \
+                        (Path(tokenizer) / name).exists():
+                    writer.copy_file(Path(tokenizer) / name)
     return Path(out)

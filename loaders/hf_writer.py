@@ -30,13 +30,14 @@ def _nbytes(tensor) -> int:
 class HfWriter:
 
     def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2 * 2**30,
-                 overwrite: bool = False):
+                 overwrite: bool = False, weights_name: str = "model"):
         self.out = Path(out).absolute()
         if self.out.exists() and not overwrite:
             raise CheckpointError(f"{self.out} already exists (pass --overwrite to replace it)")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
+        self.weights_name = weights_name  # "adapter_model" for PEFT adapters
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
         self._pending: dict[str, object] = {}
         self._pending_bytes = 0
@@ -85,7 +86,8 @@ class HfWriter:
         count = len(self._shards)
         weight_map = {}
         for i, names in enumerate(self._shards):
-            final = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            final = (f"{self.weights_name}.safetensors" if count == 1 else
+                     f"{self.weights_name}-{i + 1:05d}-of-{count:05d}.safetensors")
             (self.tmp / f"shard-{i:05d}.safetensors").rename(self.tmp / final)
             weight_map.update({n: final for n in names})
         if count > 1:

@@ -26,15 +26,27 @@ _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.wei
 
 
 class LoraAdapter:
-    """A PEFT-format adapter directory: adapter_config.json + adapter_model.safetensors."""
+    """A PEFT-format adapter: `LoraAdapter(dir)` reads adapter_config.json +
+    adapter_model.safetensors; `LoraAdapter.from_tensors` takes them in memory
+    (the Tunix exporter builds adapters that way)."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self.config = self._read_config()
-        self.use_rslora = bool(self.config.get("use_rslora", False))
-        self.alpha = float(self.config["lora_alpha"])
+        self._init(self._read_config(), self._read_tensors())
+
+    @classmethod
+    def from_tensors(cls, config: dict, tensors: dict[str, torch.Tensor], where: str):
+        adapter = cls.__new__(cls)
+        adapter.directory = where
+        adapter._init(adapter._checked(config), tensors)
+        return adapter
+
+    def _init(self, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.use_rslora = bool(config.get("use_rslora", False))
+        self.alpha = float(config["lora_alpha"])
         # base tensor name -> (A [r, in], B [out, r])
-        self.targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = self._read_weights()
+        self.targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = self._pair(tensors)
 
     def _fail(self, what: str) -> CheckpointError:
         return CheckpointError(f"LoRA adapter {self.directory}: {what}")
@@ -47,6 +59,9 @@ class LoraAdapter:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise self._fail(f"{CONFIG} is not valid JSON ({e})") from e
+        return self._checked(config)
+
+    def _checked(self, config: dict) -> dict:
         unsupported = {
             "peft_type": config.get("peft_type", "LORA") != "LORA",
             "use_dora": bool(config.get("use_dora")),
@@ -65,16 +80,18 @@ class LoraAdapter:
                 raise self._fail(f"{CONFIG} has no {field!r}")
         return config
 
-    def _read_weights(self) -> dict:
+    def _read_tensors(self) -> dict[str, torch.Tensor]:
         path = self.directory / WEIGHTS
         if not path.exists():
             pickled = self.directory / "adapter_model.bin"
             hint = " (adapter_model.bin is pickle, which we never load)" if pickled.exists() else ""
             raise self._fail(f"no {WEIGHTS}{hint}")
         try:
-            tensors = load_file(path)
+            return load_file(path)
         except (SafetensorError, OSError) as e:
             raise self._fail(f"{WEIGHTS} is not a readable safetensors file ({e})") from e
+
+    def _pair(self, tensors: dict[str, torch.Tensor]) -> dict:
         parts: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.match(key)
@@ -118,6 +135,15 @@ class LoraAdapter:
             if (b.shape[0], a.shape[1]) != want:
                 raise self._fail(f"{name}: B @ A is [{b.shape[0]}, {a.shape[1]}] but the base "
                                  f"weight is {list(want)} (adapter trained for another model?)")
+
+    def peft_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under PEFT's names (adapter_model.safetensors)."""
+        tensors = {}
+        for name, (a, b) in sorted(self.targets.items()):
+            module = name.removesuffix(".weight")
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        return tensors
 
     def delta(self, name: str) -> torch.Tensor:
         a, b = self.targets[name]

@@ -1,12 +1,14 @@
 """The `tpu-models` command."""
 
+import os
 import sys
 
 USAGE = """usage: tpu-models <command> [args]
 
 commands:
   serve    serve a model (default: the embedded demo) with the real `vllm serve`
-  export   convert checkpoints to HF safetensors (lora-merge, gemma3-text)
+  export   convert checkpoints to HF safetensors (maxtext, tunix, lora-merge, gemma3-text)
+  inspect  print a checkpoint's format, layout and tensors (HF, MaxText, Tunix, PEFT)
   bench    serving benchmarks (serve)
 """
 
@@ -17,12 +19,25 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="")
         return
     command, rest = argv[0], argv[1:]
+    if command in ("export", "inspect"):
+        # Checkpoint conversion needs no accelerator: keep JAX (imported by orbax)
+        # off libtpu, which would probe for TPUs and print warnings on other hosts.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if command == "serve":
         from server import serve
         serve.main(rest)
     elif command == "export":
         from server import export
         export.main(rest)
+    elif command == "inspect":
+        if len(rest) != 1 or rest[0].startswith("-"):
+            sys.exit("usage: tpu-models inspect CKPT_DIR")
+        from loaders.hf import CheckpointError
+        from loaders.inspect import print_description
+        try:
+            print_description(rest[0])
+        except CheckpointError as e:
+            sys.exit(f"tpu-models inspect: {e}")
     elif command == "bench":
         from server import bench
         bench.main(rest)

@@ -1,6 +1,7 @@
 """`tpu-models export`: checkpoint conversions (the work lives in loaders/)."""
 
 import argparse
+import json
 import sys
 
 from loaders.hf import CheckpointError
@@ -15,6 +16,35 @@ def parser() -> argparse.ArgumentParser:
                                        "adapter_model.safetensors)")
     merge.add_argument("--out", required=True, help="directory to create")
     merge.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    maxtext = sub.add_parser("maxtext", help="a MaxText checkpoint (scanned or not) -> HF")
+    maxtext.add_argument("checkpoint", help="MaxText run directory, checkpoints/, <step>/ or items/")
+    maxtext.add_argument("--model", required=True, choices=["qwen3-structural", "qwen3", "gemma3"])
+    maxtext.add_argument("--out", required=True, help="directory to create")
+    maxtext.add_argument("--tokenizer", help="directory with the tokenizer files to ship")
+    maxtext.add_argument("--dtype", choices=["bfloat16", "float32"],
+                         help="weights dtype (default: the checkpoint's)")
+    maxtext.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                         help="config.json field the checkpoint cannot tell (e.g. sliding_window=4, "
+                              "rope_parameters={...}); sizes come from the tensors")
+    maxtext.add_argument("--scan", choices=["auto", "scanned", "unscanned"], default="auto",
+                         help="layer layout to expect (default: detect)")
+    maxtext.add_argument("--param-scan-axis", type=int, default=1,
+                         help="layer axis of scanned tensors (MaxText's param_scan_axis)")
+    maxtext.add_argument("--max-shard-size", type=int, default=2 * 2**30, metavar="BYTES")
+    maxtext.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    tunix = sub.add_parser("tunix", help="a Tunix checkpoint (full weights or qwix LoRA) -> HF")
+    tunix.add_argument("checkpoint", help="Tunix checkpoint: root, <step> or <step>/model_params")
+    tunix.add_argument("--base", required=True,
+                       help="HF checkpoint the run started from (config, tokenizer; the "
+                            "weights LoRA merges into)")
+    tunix.add_argument("--lora-alpha", type=float,
+                       help="LoRA alpha of the run (Tunix does not store it)")
+    tunix.add_argument("--adapter-only", action="store_true",
+                       help="write a PEFT adapter (for `tpu-models serve --lora`) instead of "
+                            "merged weights")
+    tunix.add_argument("--dtype", choices=["bfloat16", "float32"], help="cast weights (default: keep)")
+    tunix.add_argument("--out", required=True, help="directory to create")
+    tunix.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     text = sub.add_parser("gemma3-text", help="the language model of a multimodal Gemma 3 "
                                               "checkpoint, as a text-only Gemma3ForCausalLM")
     text.add_argument("source", help="Gemma3ForConditionalGeneration checkpoint directory")
@@ -35,12 +65,36 @@ def gemma3_text_config(source: str) -> dict:
     return text
 
 
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value  # a bare string
+    return out
+
+
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     try:
         if args.kind == "lora-merge":
             from loaders.export import lora_merge
             out = lora_merge(args.base, args.adapter, args.out, overwrite=args.overwrite)
+        elif args.kind == "maxtext":
+            from loaders.export import maxtext
+            out = maxtext(args.checkpoint, args.model, args.out, tokenizer=args.tokenizer,
+                          dtype=args.dtype, overrides=_overrides(args.set), scan=args.scan,
+                          scan_axis=args.param_scan_axis, overwrite=args.overwrite,
+                          max_shard_bytes=args.max_shard_size, progress="maxtext -> HF")
+        elif args.kind == "tunix":
+            from loaders.export import tunix
+            out = tunix(args.checkpoint, args.base, args.out, lora_alpha=args.lora_alpha,
+                        adapter_only=args.adapter_only, dtype=args.dtype,
+                        overwrite=args.overwrite, progress="tunix -> HF")
         elif args.kind == "gemma3-text":
             from loaders.export import gemma3_text
             out = gemma3_text(args.source, args.out, gemma3_text_config(args.source),

@@ -29,6 +29,11 @@ class Stepper:
         self.vllm_config = EngineArgs(
             model=str(model_dir), dtype=dtype, max_model_len=page_size * pages_per_seq,
             tensor_parallel_size=num_devices, **engine_args).create_engine_config()
+        # The worker sets up tpu-inference's (single-stage) pipeline group before
+        # building a model; its built-in models ask it which stage they are.
+        from tpu_inference.distributed import jax_parallel_state
+        jax_parallel_state.init_pp_distributed_environment(
+            "127.0.0.1", 0, 1, jax.devices()[0], need_pp=False)
         devices = np.array(jax.devices()[:num_devices]).reshape(1, num_devices)
         self.mesh = Mesh(devices, ("data", "model"))
         with set_current_vllm_config(self.vllm_config):

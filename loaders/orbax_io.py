@@ -1,0 +1,115 @@
+"""Reading Orbax PyTree checkpoints leaf by leaf, without the library that wrote them.
+
+MaxText and Tunix both save with orbax's PyTreeCheckpointHandler (OCDBT,
+zarr); what differs is where the parameter tree sits:
+
+    MaxText   <run>/checkpoints/<step>/items/          params/params/decoder/... (Linen)
+    Tunix     <root>/<step>/model_params/              layers/0/attn/... /value (NNX state)
+
+`OrbaxCheckpoint(path)` accepts the run/root directory (newest step), a step
+directory or the item directory, lists every leaf from the metadata alone,
+and reads one leaf at a time as numpy, so memory stays bounded by the largest
+tensor.
+"""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from loaders.hf import CheckpointError
+
+# Item directories inside a step directory, in the order we look for them.
+ITEMS = ("items", "model_params", "default", "state", "params")
+
+
+def _is_item(path: Path) -> bool:
+    return (path / "_METADATA").exists()
+
+
+def find_item(path: str | os.PathLike) -> Path:
+    """The item directory holding the parameter tree under `path`."""
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    if _is_item(path):
+        return path
+    for name in ITEMS:
+        if _is_item(path / name):
+            return path / name
+    steps = sorted((int(p.name), p) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
+    if steps:
+        return find_item(steps[-1][1])
+    if (path / "checkpoints").is_dir():
+        return find_item(path / "checkpoints")
+    raise CheckpointError(f"{path}: no Orbax checkpoint here (looked for _METADATA, "
+                          f"{'/'.join(ITEMS)}/ and numbered step directories)")
+
+
+class OrbaxCheckpoint:
+    """Leaves of an Orbax PyTree checkpoint: '/'-joined path -> (shape, dtype)."""
+
+    def __init__(self, path: str | os.PathLike):
+        import orbax.checkpoint as ocp
+
+        self.item = find_item(path)
+        self._checkpointer = ocp.PyTreeCheckpointer()
+        logging.getLogger("absl").setLevel(logging.ERROR)  # "no _CHECKPOINT_METADATA" chatter
+        try:
+            tree = self._checkpointer.metadata(self.item).item_metadata.tree
+        except Exception as e:  # orbax raises many types for damaged checkpoints
+            raise CheckpointError(f"{self.item}: cannot read Orbax metadata ({e})") from e
+        self.leaves: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self._keys: dict[str, tuple] = {}
+        for keys, leaf in _flatten(tree):
+            name = "/".join(keys)
+            self.leaves[name] = (tuple(leaf.shape), np.dtype(leaf.dtype))
+            self._keys[name] = keys
+
+    @property
+    def custom_metadata(self) -> dict:
+        """The step's `custom_metadata` (Tunix/orbax CheckpointManager), if any."""
+        for directory in (self.item, self.item.parent):
+            meta = directory / "_CHECKPOINT_METADATA"
+            if meta.exists():
+                try:
+                    return json.loads(meta.read_text()).get("custom_metadata") or {}
+                except json.JSONDecodeError:
+                    return {}
+        return {}
+
+    def read(self, name: str) -> np.ndarray:
+        """One leaf, as numpy."""
+        import orbax.checkpoint as ocp
+
+        keys = self._keys[name]
+        shape, dtype = self.leaves[name]
+        item = restore_args = None
+        for key in reversed(keys):
+            item = {key: item if item is not None else np.zeros((), dtype)}
+            restore_args = {key: restore_args if restore_args is not None else
+                            ocp.RestoreArgs(restore_type=np.ndarray)}
+        try:
+            out = self._checkpointer.restore(self.item, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))
+        except Exception as e:
+            raise CheckpointError(f"{self.item}: cannot read tensor {name} ({e})") from e
+        for key in keys:
+            out = out[key]
+        if tuple(out.shape) != shape:
+            raise CheckpointError(f"{self.item}: tensor {name} has shape {list(out.shape)}, its "
+                                  f"metadata says {list(shape)} (truncated checkpoint?)")
+        return out
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, prefix + (str(key), ))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from _flatten(value, prefix + (str(i), ))
+    elif tree is not None and hasattr(tree, "shape"):
+        yield prefix, tree
