@@ -276,7 +276,7 @@ def _token_ids(tokenizer: Path) -> dict:
 def maxtext(checkpoint: str | Path, model: str, out: str | Path, *,
             tokenizer: str | Path | None = None, dtype: str | None = None,
             overrides: dict | None = None, scan: str = "auto", scan_axis: int = 1,
-            overwrite: bool = False, max_shard_bytes: int = 2 * 2**30, progress=None) -> Path:
+            overwrite: bool = False, max_shard_bytes: int = 2**30, progress=None) -> Path:
     """A MaxText checkpoint (scanned or not, training state or parameters only) as an
     HF checkpoint: sharded safetensors + index, config.json, generation_config.json,
     tokenizer files. Reads one tensor at a time; writes into a temporary directory

@@ -5,6 +5,10 @@
 temporary directory beside `out`, and renames it to `out` only when
 everything, index and side files included, is written. An interrupted or
 failed export leaves no directory that looks complete.
+
+safetensors writes a file from tensors held in memory, so a shard is queued
+before it is written: memory stays bounded by the shard size plus the tensor
+being added, whatever the model's size.
 """
 
 import json
@@ -29,7 +33,7 @@ def _nbytes(tensor) -> int:
 
 class HfWriter:
 
-    def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2 * 2**30,
+    def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2**30,
                  overwrite: bool = False, weights_name: str = "model"):
         self.out = Path(out).absolute()
         if self.out.exists() and not overwrite:

@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
                          help="layer layout to expect (default: detect)")
     maxtext.add_argument("--param-scan-axis", type=int, default=1,
                          help="layer axis of scanned tensors (MaxText's param_scan_axis)")
-    maxtext.add_argument("--max-shard-size", type=int, default=2 * 2**30, metavar="BYTES")
+    maxtext.add_argument("--max-shard-size", type=int, default=2**30, metavar="BYTES",
+                         help="shard size; peak memory is about this plus the largest tensor")
     maxtext.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     tunix = sub.add_parser("tunix", help="a Tunix checkpoint (full weights or qwix LoRA) -> HF")
     tunix.add_argument("checkpoint", help="Tunix checkpoint: root, <step> or <step>/model_params")
