@@ -290,12 +290,12 @@ def maxtext(checkpoint: str | Path, model: str, out: str | Path, *,
     source = MaxTextCheckpoint(checkpoint, scan=scan, scan_axis=scan_axis)
     where = str(source.orbax.item)
     config = maxtext_config(model, source.dims())
+    if tokenizer is not None:
+        config.update(_token_ids(Path(tokenizer)))
     config.update(overrides or {})
     if config["num_hidden_layers"] != source.layout.num_layers:
         raise CheckpointError(f"{where}: num_hidden_layers={config['num_hidden_layers']} but the "
                               f"checkpoint holds {source.layout.describe()}")
-    if tokenizer is not None:
-        config.update(_token_ids(Path(tokenizer)))
     rules = source.rules(model)
     if model == "qwen3-structural" and "structural_head.weight" not in rules:
         raise CheckpointError(f"{where}: --model qwen3-structural, but no .../structural_head/"

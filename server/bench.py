@@ -33,6 +33,22 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--warmup", type=int, default=2)
     serve.add_argument("--out", default="bench-serve.json", help="JSON results")
     serve.add_argument("--plot", help="PNG of throughput and TPOT against concurrency")
+
+    compare = sub.add_parser("compare", help="ours vs tpu-inference's built-in Qwen3 vs "
+                                             "transformers generate, same weights and workload")
+    compare.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
+    compare.add_argument("--input-len", type=int, default=128)
+    compare.add_argument("--output-len", type=int, default=64)
+    compare.add_argument("--num-prompts", type=int, help="per concurrency (default 2x the largest)")
+    compare.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    compare.add_argument("--hidden-size", type=int, help="model shape overrides (smoke runs)")
+    compare.add_argument("--layers", type=int)
+    compare.add_argument("--out", default="bench-compare.json")
+    compare.add_argument("--plot", help="PNG of both servers' throughput and TPOT")
+
+    step = sub.add_parser("step", help="decode-step time of a 0.5B-class model vs the host's "
+                                       "memory bandwidth (model level)")
+    step.add_argument("args", nargs=argparse.REMAINDER, help="see python -m benchmarks.step -h")
     return p
 
 
@@ -84,3 +100,13 @@ def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     if args.kind == "serve":
         bench_serve(args)
+    elif args.kind == "compare":
+        from benchmarks.compare import compare
+        shape = {k: v for k, v in (("hidden_size", args.hidden_size),
+                                   ("num_hidden_layers", args.layers)) if v}
+        compare(concurrencies=args.concurrency, input_len=args.input_len,
+                output_len=args.output_len, num_prompts=args.num_prompts, shape=shape,
+                dtype=args.dtype, out=args.out, plot=args.plot)
+    elif args.kind == "step":
+        from benchmarks.step import main as step_main
+        step_main(args.args)

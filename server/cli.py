@@ -9,7 +9,8 @@ commands:
   serve    serve a model (default: the embedded demo) with the real `vllm serve`
   export   convert checkpoints to HF safetensors (maxtext, tunix, lora-merge, gemma3-text)
   inspect  print a checkpoint's format, layout and tensors (HF, MaxText, Tunix, PEFT)
-  bench    serving benchmarks (serve)
+  bench    benchmarks: serve (vLLM's metrics), compare (vs built-in Qwen3 and transformers),
+           step (decode step vs memory bandwidth)
 """
 
 

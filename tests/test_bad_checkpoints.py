@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from loaders.hf import CheckpointError
-from tests.engine import Stepper
+from benchmarks.harness import Stepper
 from server.process import Server
 from tests.tiny import make_qwen3
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine import Stepper
+from benchmarks.harness import Stepper
 from tests.tiny import make_tokenizer
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.engine import Stepper
+from benchmarks.harness import Stepper
 from tests.tiny import Reference, make_qwen3, reshard
 
 CONFIGS = {

@@ -1,4 +1,5 @@
-"""Drives a model the way tpu-inference's runner does, one ragged step at a time.
+"""Drives a model the way tpu-inference's runner does, one ragged step at a time
+(parity tests and the decode-step benchmark).
 
 The model comes from tpu-inference's own get_model (the engine's loading path);
 this harness only lays out a batch: token rows, positions, page tables, the
@@ -56,6 +57,19 @@ class Stepper:
 
     def step(self, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
         """Feeds each request its next tokens in one batch; returns their logits [len, V]."""
+        fns = self.interface
+        self.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, self.kv_caches,
+                                                  *self.prepare(chunks))
+        logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
+        out, row = {}, 0
+        for name, tokens in chunks.items():
+            out[name] = logits[row:row + len(tokens)]
+            row += len(tokens)
+        return out
+
+    def prepare(self, chunks: dict[str, list[int]]) -> tuple:
+        """The step function's arguments after the KV caches, for this batch; appends
+        the tokens to their requests (allocating pages)."""
         ids, positions, cu, seq_lens, tables = [], [], [0], [], []
         for name, tokens in chunks.items():
             req = self.requests.setdefault(name, {"tokens": [], "pages": []})
@@ -81,14 +95,6 @@ class Stepper:
             query_start_loc=jnp.array(cu + [cu[-1]] * (self.max_seqs - num_reqs), jnp.int32),
             request_distribution=jnp.array([decodes, decodes, num_reqs], jnp.int32),
         )
-        fns = self.interface
         layer_map = tuple((f"layer.{i}", i) for i in range(self.num_layers))
-        self.kv_caches, hidden, *_ = fns.model_fn(
-            fns.state_leaves, self.kv_caches, jnp.array(ids + [0] * pad, jnp.int32), md, None,
-            None, layer_map, None, None, True, True)
-        logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
-        out, row = {}, 0
-        for name, tokens in chunks.items():
-            out[name] = logits[row:row + len(tokens)]
-            row += len(tokens)
-        return out
+        return (jnp.array(ids + [0] * pad, jnp.int32), md, None, None, layer_map, None, None,
+                True, True)
