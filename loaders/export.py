@@ -7,8 +7,9 @@ import numpy as np
 
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.hf_writer import HfWriter
+from loaders.hf_writer import check_out as _check_out
 from loaders.lora import LoraAdapter
-from loaders.tables import table_for
+from loaders.tables import check_checkpoint, check_config, read_config, table_for
 
 # Files that travel with the weights (config, generation defaults, tokenizer).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -27,12 +28,12 @@ def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
     """Writes base + LoRA adapter, merged, as a new HF checkpoint at `out`."""
     check_out(out, overwrite)
     base = Path(base)
-    config_path = base / "config.json"
-    if not config_path.exists():
+    if not (base / "config.json").exists():
         raise CheckpointError(f"{base}: no config.json")
-    table, optional = table_for(json.loads(config_path.read_text()))
+    config, _ = read_config(base)
+    table, optional = table_for(config)
     checkpoint = HfCheckpoint(base)
-    checkpoint.check(table, optional=optional)
+    check_checkpoint(checkpoint, config, table, optional=optional)
     adapter = LoraAdapter(adapter_dir)
     adapter.check_base(table)
     with HfWriter(out, overwrite=overwrite) as writer:
@@ -124,9 +125,7 @@ def plan_export(shape_of, leaves: set[str], rules: dict, table: dict, *, where: 
 
 def check_out(out: str | Path, overwrite: bool) -> None:
     """Refuses an existing output directory before any work (HfWriter checks again)."""
-    if Path(out).exists() and not overwrite:
-        raise CheckpointError(f"{Path(out).absolute()} already exists (pass --overwrite to "
-                              "replace it)")
+    _check_out(out, overwrite)
 
 
 def _cast(array, dtype):
@@ -161,6 +160,7 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *,
         else None
     if config is None:
         raise CheckpointError(f"{base}: no config.json (the HF checkpoint the run started from)")
+    check_config(config, base / "config.json")
     table, optional = table_for(config)
     source = TunixCheckpoint(checkpoint)
     where = str(source.orbax.item)
@@ -199,7 +199,7 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *,
             writer.write_json("adapter_config.json", peft_config)
         return Path(out)
     checkpoint_base = HfCheckpoint(base)
-    checkpoint_base.check(table, optional=optional)
+    check_checkpoint(checkpoint_base, config, table, optional=optional)
     with HfWriter(out, overwrite=overwrite) as writer:
         writer.add_all(adapter.merge(checkpoint_base.iter_tensors()))
         copy_side_files(base, writer)

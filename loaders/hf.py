@@ -2,20 +2,29 @@
 
 `HfCheckpoint(dir)` lists every tensor (name, shape, dtype, file) from the
 safetensors headers alone, so a checkpoint can be checked against its name/shape
-table (see `tables.py`) before a single weight is read. Pickle formats (.bin,
-.pt) are refused: loading them can run arbitrary code.
+table (see `tables.py`) before a single weight is read. Each header is parsed
+and checked against its file's size here, so a truncated or corrupted file is
+refused in milliseconds, naming the file and the tensor whose bytes are missing.
+Pickle formats (.bin, .pt) are refused: loading them can run arbitrary code.
+Index entries are file names inside the directory, never paths out of it.
 """
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from safetensors import SafetensorError, safe_open
 
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# Bits per element of every dtype the safetensors format defines.
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+              "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+              "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
 class CheckpointError(ValueError):
@@ -54,10 +63,10 @@ class HfCheckpoint:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map' object")
+            for name in sorted(set(map(str, weight_map.values()))):
+                _check_entry(index, name, self.directory)
             files = sorted({self.directory / f for f in weight_map.values()})
             for f in files:
-                if Path(f).resolve().parent != self.directory.resolve():
-                    raise CheckpointError(f"{index}: {f.name} lies outside {self.directory}")
                 if not f.exists():
                     raise CheckpointError(f"{index}: names {f.name}, which does not exist")
             return files
@@ -88,15 +97,22 @@ class HfCheckpoint:
         check_tensors({n: (i.shape, i.file.name) for n, i in self.tensors.items()},
                       expected, optional=optional, where=str(self.directory))
 
-    def iter_tensors(self, framework: str = "pt") -> Iterator[tuple[str, object]]:
-        """Yields (name, tensor) file by file, holding one tensor at a time."""
+    def iter_tensors(self, framework: str = "pt", *, check_finite: bool = False
+                     ) -> Iterator[tuple[str, object]]:
+        """Yields (name, tensor) file by file, holding one tensor at a time.
+
+        check_finite: refuse the first tensor holding a NaN or an infinity (one
+        extra pass over each tensor's memory; torch tensors only)."""
         for file in self.files:
             with _open(file, framework) as f:
                 for name in f.keys():
                     try:
-                        yield name, f.get_tensor(name)
+                        tensor = f.get_tensor(name)
                     except SafetensorError as e:
                         raise CheckpointError(f"{file}: tensor {name} cannot be read: {e}") from e
+                    if check_finite:
+                        check_finite_tensor(tensor, f"{file}: tensor {name}")
+                    yield name, tensor
 
     def read(self, name: str, framework: str = "pt"):
         info = self.tensors[name]
@@ -104,10 +120,50 @@ class HfCheckpoint:
             return f.get_tensor(name)
 
 
+def check_finite(tensors: Iterable[tuple[str, object]], where: str
+                 ) -> Iterator[tuple[str, object]]:
+    """Streams (name, tensor) through, refusing the first with a NaN or an infinity."""
+    for name, tensor in tensors:
+        check_finite_tensor(tensor, f"{where}: tensor {name}")
+        yield name, tensor
+
+
+def check_finite_tensor(tensor, what: str) -> None:
+    """Raises CheckpointError naming `what` if the torch tensor holds NaN or +-inf."""
+    nan, inf = count_nonfinite(tensor)
+    if nan or inf:
+        parts = [f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "infinite")) if n]
+        raise CheckpointError(f"{what} {list(tensor.shape)} holds {' and '.join(parts)} "
+                              f"value{'s' if nan + inf > 1 else ''} (of {tensor.numel()})")
+
+
+def count_nonfinite(tensor, chunk: int = 1 << 24) -> tuple[int, int]:
+    """(NaN count, infinity count) of a torch tensor, a chunk at a time (bounded memory)."""
+    import torch
+    if not tensor.is_floating_point():
+        return 0, 0
+    nan = inf = 0
+    for part in tensor.reshape(-1).split(chunk):
+        if part.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            part = part.float()  # fp8: no isnan/isinf kernels on CPU
+        nan += int(part.isnan().sum())
+        inf += int(part.isinf().sum())
+    return nan, inf
+
+
 def check_tensors(found: Mapping[str, tuple[tuple[int, ...], str]],
                   expected: Mapping[str, tuple[int, ...]], *, optional: Iterable[str] = (),
                   where: str = "checkpoint") -> None:
     """found: name -> (shape, file). Lists every missing, unexpected and misshapen tensor."""
+    problems = tensor_problems(found, expected, optional=optional)
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+def tensor_problems(found: Mapping[str, tuple[tuple[int, ...], str]],
+                    expected: Mapping[str, tuple[int, ...]], *, optional: Iterable[str] = ()
+                    ) -> list[str]:
+    """Every missing, unexpected and misshapen tensor, one line each."""
     optional = set(optional)
     problems = []
     for name, shape in expected.items():
@@ -118,8 +174,7 @@ def check_tensors(found: Mapping[str, tuple[tuple[int, ...], str]],
                             f"expected {list(shape)}")
     for name in sorted(set(found) - set(expected) - optional):
         problems.append(f"unexpected tensor {name} in {found[name][1]}")
-    if problems:
-        raise CheckpointError(f"{where}: " + "; ".join(problems))
+    return problems
 
 
 def _open(file: Path, framework: str):
@@ -129,13 +184,92 @@ def _open(file: Path, framework: str):
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
+def _check_entry(index: Path, name: str, directory: Path) -> None:
+    """An index entry must name a safetensors file inside the checkpoint directory."""
+    path = PurePosixPath(name)
+    if not name or "\\" in name or path.is_absolute() or ".." in path.parts:
+        raise CheckpointError(f"{index}: weight_map entry {name!r} lies outside {directory}; "
+                              "entries must be file names inside the checkpoint directory")
+    if name.endswith(PICKLE_SUFFIXES):
+        raise CheckpointError(f"{index}: names {name}, a pickle file; tpu-models loads "
+                              "safetensors only, since unpickling can run arbitrary code")
+
+
 def _read_header(file: Path) -> list[TensorInfo]:
-    with _open(file, "np") as f:
-        infos = []
-        for name in f.keys():
-            sl = f.get_slice(name)
-            infos.append(TensorInfo(name, tuple(sl.get_shape()), sl.get_dtype(), file))
+    """The tensors of one safetensors file, from its header, checked against the file size.
+
+    Layout: 8-byte little-endian header length N, N bytes of JSON
+    {name: {dtype, shape, data_offsets: [begin, end]}}, then the data, each
+    tensor's bytes at data_offsets, back to back, to the end of the file.
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+            raw = f.read(length) if length is not None and length <= min(
+                MAX_HEADER_BYTES, size - 8) else None
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read ({e})") from e
+    if length is None:
+        raise CheckpointError(f"{file}: truncated: {size} bytes, too short for a safetensors "
+                              "header")
+    if raw is None and prefix.startswith((b"PK\x03\x04", b"\x80")):  # torch.save: zip, pickle
+        raise CheckpointError(f"{file}: a pickle (torch.save) file, not safetensors; tpu-models "
+                              "loads safetensors only, since unpickling can run arbitrary code")
+    if raw is None:
+        raise CheckpointError(f"{file}: not a safetensors file, or truncated: its first 8 bytes "
+                              f"announce a {length}-byte header, the file has {size} bytes")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: corrupted safetensors header: not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupted safetensors header: not a JSON object")
+    data_bytes = size - 8 - length
+    infos, spans = [], []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(f"{file}: corrupted safetensors header: tensor {name} {what}")
+
+        if not isinstance(entry, dict):
+            raise bad("is not described by a JSON object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_BITS:
+            raise bad(f"has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise bad(f"has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+                and offsets[0] <= offsets[1]):
+            raise bad(f"has invalid data_offsets {offsets!r}")
+        need = (math.prod(shape) * DTYPE_BITS[dtype] + 7) // 8
+        if offsets[1] - offsets[0] != need:
+            raise bad(f"{dtype} {shape} needs {need} bytes but its data_offsets {offsets} span "
+                      f"{offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+        infos.append(TensorInfo(name, tuple(shape), dtype, file))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise CheckpointError(f"{file}: corrupted safetensors header: tensor {name} starts at "
+                                  f"data byte {begin}, expected {end} (overlapping or a gap)")
+        if stop > data_bytes:
+            raise CheckpointError(
+                f"{file}: truncated: tensor {name} needs bytes {8 + length + begin}.."
+                f"{8 + length + stop} but the file ends at {size} (a complete file has "
+                f"{8 + length + max(s[1] for s in spans)} bytes)")
+        end = stop
+    if end != data_bytes:
+        raise CheckpointError(f"{file}: corrupted: {data_bytes - end} bytes after the last tensor "
+                              f"(the header accounts for {8 + length + end} of {size} bytes)")
     return infos
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_json(path: Path) -> dict:

@@ -4,19 +4,28 @@
 (a tensor larger than that gets a shard of its own), writes them into a
 temporary directory beside `out`, and renames it to `out` only when
 everything, index and side files included, is written. An interrupted or
-failed export leaves no directory that looks complete.
+failed export leaves no directory that looks complete: at most a
+`.<out>.partial-<pid>@<host>-*` directory, which the next export to the same
+place removes once its process is gone. An existing `out` is refused unless
+`overwrite`, and then swapped for the new one in one rename (RENAME_EXCHANGE
+where the file system has it), so a failed export leaves the old one intact.
+Every file name inside `out` is ours: names coming from elsewhere cannot
+place a file outside it.
 
 safetensors writes a file from tensors held in memory, so a shard is queued
 before it is written: memory stays bounded by the shard size plus the tensor
 being added, whatever the model's size.
 """
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 from safetensors.numpy import save_file as save_numpy
@@ -31,18 +40,108 @@ def _nbytes(tensor) -> int:
     return int(tensor.nbytes) if isinstance(tensor, np.ndarray) else tensor.numel() * tensor.element_size()
 
 
+# What marks a directory as an export we may replace with overwrite=True.
+CHECKPOINT_MARKERS = ("config.json", "adapter_config.json", INDEX)
+
+
+def check_out(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuses an existing `out` unless `overwrite`, and even then anything that is
+    not an earlier export (an empty directory, or one with config.json,
+    adapter_config.json or *.safetensors): --overwrite replaces checkpoints, never
+    a home directory given by mistake."""
+    out = Path(out).absolute()
+    if not out.exists() and not out.is_symlink():
+        return out
+    if not overwrite:
+        raise CheckpointError(f"{out} already exists (pass --overwrite to replace it)")
+    if out.is_symlink() or not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a directory; not replacing it, even "
+                              "with --overwrite")
+    entries = list(out.iterdir())
+    if entries and not any((out / m).exists() for m in CHECKPOINT_MARKERS) and \
+            not any(e.suffix == ".safetensors" for e in entries):
+        raise CheckpointError(f"{out} exists and does not look like a checkpoint (no config.json, "
+                              "adapter_config.json or *.safetensors); not replacing it, even "
+                              "with --overwrite")
+    return out
+
+
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Removes temporary directories of earlier exports to `out` whose process is gone
+    (killed half-way): `.<name>.partial-<pid>@<host>-*` on this host, pid not running."""
+    removed = []
+    host = socket.gethostname()
+    for path in out.parent.glob(_partial_prefix(out) + "*"):
+        owner = path.name[len(_partial_prefix(out)):].rsplit("-", 1)[0]
+        pid, _, owner_host = owner.partition("@")
+        if owner_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_name(name: str) -> str:
+    """A file name inside the output directory: no directories, no way out of it."""
+    if not name or PurePath(name).name != name or name in (".", "..") or "/" in name or \
+            "\\" in name:
+        raise CheckpointError(f"{name!r}: not a plain file name; exports write only their own "
+                              "file names inside the output directory")
+    return name
+
+
+def _default_modes(directory: Path) -> None:
+    """Modes a plain mkdir/open would give (mkdtemp and safetensors' own temporary
+    files make them private to the owner, which other users' servers cannot read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # not on this file system
+        return False
+    raise OSError(error, os.strerror(error), str(b))
+
+
 class HfWriter:
 
     def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2**30,
                  overwrite: bool = False, weights_name: str = "model"):
-        self.out = Path(out).absolute()
-        if self.out.exists() and not overwrite:
-            raise CheckpointError(f"{self.out} already exists (pass --overwrite to replace it)")
+        self.out = check_out(out, overwrite)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
-        self.weights_name = weights_name  # "adapter_model" for PEFT adapters
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
+        self.weights_name = _check_name(weights_name)  # "adapter_model" for PEFT adapters
+        remove_stale_partials(self.out)
+        self.tmp = Path(tempfile.mkdtemp(
+            prefix=f"{_partial_prefix(self.out)}{os.getpid()}@{socket.gethostname()}-",
+            dir=self.out.parent))
         self._pending: dict[str, object] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
@@ -79,10 +178,11 @@ class HfWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def write_json(self, name: str, content: dict) -> None:
-        (self.tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+        (self.tmp / _check_name(name)).write_text(
+            json.dumps(content, indent=2, sort_keys=True) + "\n")
 
     def copy_file(self, source: str | os.PathLike, name: str | None = None) -> None:
-        shutil.copyfile(source, self.tmp / (name or Path(source).name))
+        shutil.copyfile(source, self.tmp / _check_name(name or Path(source).name))
 
     def commit(self) -> Path:
         """Names the shards HF-style, writes the index, and renames into place."""
@@ -97,10 +197,23 @@ class HfWriter:
         if count > 1:
             self.write_json(INDEX, {"metadata": {"total_size": self.total_bytes},
                                     "weight_map": dict(sorted(weight_map.items()))})
-        if self.out.exists():  # only reachable with overwrite=True
-            shutil.rmtree(self.out)
-        self.tmp.rename(self.out)
+        self._move_into_place()
         return self.out
+
+    def _move_into_place(self) -> None:
+        """The temporary directory becomes `out`, in one rename."""
+        _default_modes(self.tmp)
+        if not self.out.exists():
+            self.tmp.rename(self.out)
+            return
+        check_out(self.out, self.overwrite)  # still replaceable (it may have appeared since)
+        if _exchange(self.tmp, self.out):  # now self.tmp holds the old export
+            shutil.rmtree(self.tmp)
+            return
+        old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.replaced-", dir=self.out.parent))
+        self.out.rename(old / self.out.name)  # no atomic swap here: two renames
+        self.tmp.rename(self.out)
+        shutil.rmtree(old)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -5,8 +5,13 @@ dimensions resolved from config.json. The loader checks a checkpoint against
 its table before reading a weight; the exporters write exactly these names.
 """
 
+import json
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from loaders.hf import CheckpointError, tensor_problems
 
 # Shared by Qwen3 and Gemma 3 decoders: HF Linear weights are [out, in].
 _ATTENTION = {
@@ -127,3 +132,106 @@ def table_for(config: Any) -> tuple[dict[str, tuple[int, ...]], list[str]]:
         return gemma3_table(config), []
     raise ValueError(f"architecture {arch!r} has no checkpoint table (known: "
                      "Qwen3StructuralForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)")
+
+
+# config.json fields that size the tensors. transformers fills a missing one with
+# its own default (32 layers, hidden 4096, ...), so each must be there.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads")
+SIZE_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim")
+
+
+def read_config(directory: str | Path) -> tuple[dict, Path]:
+    """(config.json as written, its path), checked by `check_config`."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    check_config(raw, path)
+    return raw, path
+
+
+def check_config(raw: Any, path: str | Path) -> None:
+    """Refuses a config.json whose size fields are missing or not positive integers."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    fields = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    problems = []
+    for field in SIZE_FIELDS:
+        value = fields.get(field)
+        if value is None:
+            if field in REQUIRED_FIELDS:
+                problems.append(f"no {field!r} field")
+        elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            problems.append(f"{field}={json.dumps(value)} is not a positive integer")
+    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if not problems and kv_heads and heads % kv_heads:
+        problems.append(f"num_attention_heads={heads} is not a multiple of "
+                        f"num_key_value_heads={kv_heads}")
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+
+
+def config_disagreements(config: Any, raw: Mapping, found: Mapping[str, tuple[tuple, str]]
+                         ) -> list[str]:
+    """The size fields of `config` that the tensors contradict, each naming a tensor that does.
+
+    found: name -> (shape, file); raw: config.json as written (to tell defaults apart)."""
+    sizes = dims(config)
+    out = []
+
+    def said(field):
+        default = "" if field in raw else " (not in config.json: transformers' default)"
+        return f"{field}={_get(config, field)}{default}"
+
+    def compare(field, want, tensor, axis, unit):
+        if tensor not in found or len(found[tensor][0]) <= axis:
+            return None
+        got = found[tensor][0][axis]
+        if got != want:
+            out.append(f"{said(field)} but {tensor} in {found[tensor][1]} has {got} {unit}")
+        return got
+
+    compare("vocab_size", sizes["vocab"], "model.embed_tokens.weight", 0, "rows")
+    compare("hidden_size", sizes["hidden"], "model.embed_tokens.weight", 1, "columns")
+    compare("intermediate_size", sizes["intermediate"], "model.layers.0.mlp.gate_proj.weight", 0,
+            "rows")
+    head_dim = compare("head_dim", sizes["head_dim"], "model.layers.0.self_attn.q_norm.weight",
+                       0, "entries") or sizes["head_dim"]
+    heads = _get(config, "num_attention_heads")
+    for field, proj, want in (("num_attention_heads", "q_proj", heads),
+                              ("num_key_value_heads", "k_proj",
+                               _get(config, "num_key_value_heads") or heads)):
+        tensor = f"model.layers.0.self_attn.{proj}.weight"
+        if tensor in found and head_dim and found[tensor][0][0] != want * head_dim:
+            rows = found[tensor][0][0]
+            out.append(f"{said(field)} but {tensor} in {found[tensor][1]} has {rows} rows "
+                       f"({rows / head_dim:g} heads of head_dim {head_dim})")
+    layers = {int(m[1]) for name in found if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    if layers and max(layers) + 1 != _get(config, "num_hidden_layers"):
+        out.append(f"{said('num_hidden_layers')} but the checkpoint holds model.layers.0 .. "
+                   f"model.layers.{max(layers)}")
+    return out
+
+
+def check_checkpoint(checkpoint, config: Any, table: Mapping[str, tuple[int, ...]], *,
+                     optional=()) -> None:
+    """Checks an HfCheckpoint against config.json and the name/shape table.
+
+    A missing or mistyped size field names config.json and the field; tensors
+    that contradict config.json name both the field and the tensor, then list
+    the tensor problems that follow from it."""
+    raw, path = read_config(checkpoint.directory)
+    found = {n: (i.shape, i.file.name) for n, i in checkpoint.tensors.items()}
+    problems = tensor_problems(found, table, optional=optional)
+    if not problems:
+        return
+    blame = config_disagreements(config, raw.get("text_config") or raw, found)
+    if not blame:
+        raise CheckpointError(f"{checkpoint.directory}: " + "; ".join(problems))
+    more = f"; ... and {len(problems) - 6} more" if len(problems) > 6 else ""
+    raise CheckpointError(f"{path} disagrees with the tensors: " + "; ".join(blame) +
+                          ". Hence: " + "; ".join(problems[:6]) + more)

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import signal
 import sys
 
 from loaders.hf import CheckpointError
@@ -79,8 +80,13 @@ def _overrides(items: list[str]) -> dict:
     return out
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through HfWriter, which removes its temporary dir
+
+
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         if args.kind == "lora-merge":
             from loaders.export import lora_merge

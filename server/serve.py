@@ -36,6 +36,10 @@ def parser() -> argparse.ArgumentParser:
                    help="merge this PEFT LoRA adapter into the weights while loading "
                         "(no per-token cost; same as --additional-config "
                         "'{\"merge_lora\": ADAPTER_DIR}')")
+    p.add_argument("--check-weights", action="store_true",
+                   help="refuse to start if a weight holds NaN or infinity, naming the tensor "
+                        "(one extra pass over the weights while loading; same as "
+                        "--additional-config '{\"check_weights\": true}')")
     p.add_argument("--dry-run", action="store_true",
                    help="print the vllm command and environment instead of running it")
     return p
@@ -67,6 +71,8 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
             vllm_args += ["--served-model-name", DEFAULT_NAME]
     if args.lora:
         vllm_args = _with_additional_config(vllm_args, {"merge_lora": os.path.abspath(args.lora)})
+    if args.check_weights:
+        vllm_args = _with_additional_config(vllm_args, {"check_weights": True})
     if not _given(vllm_args, "--host"):
         vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *vllm_args]

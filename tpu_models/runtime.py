@@ -15,13 +15,16 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from tpu_inference.utils import get_mesh_shape_product
 from vllm.config import VllmConfig
 
-from loaders.hf import HfCheckpoint
+from loaders.hf import CheckpointError, HfCheckpoint, check_finite
 from loaders.lora import LoraAdapter
+from loaders.tables import check_checkpoint
 
 logger = init_logger(__name__)
 
 # --additional-config key naming a PEFT adapter directory to merge while loading.
 LORA_KEY = "merge_lora"
+# --additional-config key: refuse weights holding NaN or infinities (one extra pass).
+CHECK_WEIGHTS_KEY = "check_weights"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +78,55 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) ->
     tensor onto the mesh and runs quantization hooks. Checking first means a
     bad checkpoint fails in milliseconds, naming its tensors, with nothing loaded.
     """
-    checkpoint = HfCheckpoint(model_directory(model.vllm_config))
-    checkpoint.check(table, optional=optional)
-    tensors = checkpoint.iter_tensors()
-    adapter_dir = (model.vllm_config.additional_config or {}).get(LORA_KEY)
+    vllm_config = model.vllm_config
+    extra = vllm_config.additional_config or {}
+    checkpoint = HfCheckpoint(model_directory(vllm_config))
+    config = vllm_config.model_config.hf_text_config
+    check_checkpoint(checkpoint, config, table, optional=optional)
+    check_tokenizer(vllm_config, config.vocab_size)
+    check_weights = bool(extra.get(CHECK_WEIGHTS_KEY))
+    if check_weights:
+        logger.info("tpu-models: checking every weight for NaN and infinities (%s)",
+                    CHECK_WEIGHTS_KEY)
+    tensors = checkpoint.iter_tensors(check_finite=check_weights)
+    adapter_dir = extra.get(LORA_KEY)
     if adapter_dir:
         adapter = LoraAdapter(adapter_dir)
         adapter.check_base(table)
+        if check_weights:
+            list(check_finite(adapter.peft_tensors().items(),
+                              f"LoRA adapter {adapter_dir}/adapter_model.safetensors"))
         logger.info("tpu-models: merging LoRA %s (rank %d, scale %.4g) into %d weights",
                     adapter_dir, adapter.rank, adapter.scale, len(adapter.targets))
         tensors = adapter.merge(tensors)
     logger.info("tpu-models: loading %d tensors from %s", len(checkpoint.tensors),
                 checkpoint.directory)
     return LoadableWithIterator.load_weights(model, tensors)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_tokenizer(vllm_config: VllmConfig, vocab_size: int) -> None:
+    """Refuses a tokenizer with ids past the embedding: vLLM would pass them to the
+    model, whose embedding lookup has no row for them."""
+    model_config = vllm_config.model_config
+    if model_config.skip_tokenizer_init:
+        return
+    try:
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
+        tokenizer = cached_tokenizer_from_config(model_config)
+        size = max(len(tokenizer), tokenizer.max_token_id + 1)
+    except Exception as e:  # vLLM's own start-up reports a tokenizer it cannot load
+        logger.warning("tpu-models: tokenizer size not checked (%s)", e)
+        return
+    if size <= vocab_size:
+        return
+    where = model_config.tokenizer
+    if os.path.isdir(where):
+        where = next((os.path.join(where, f) for f in TOKENIZER_FILES
+                      if os.path.exists(os.path.join(where, f))), where)
+    raise CheckpointError(
+        f"tokenizer {where} has {size} tokens (ids 0..{size - 1}) but the model's embedding has "
+        f"{vocab_size} rows (config.json vocab_size={vocab_size}): ids {vocab_size}..{size - 1} "
+        "would have no embedding. Use the tokenizer the model was trained with.")
