@@ -3,8 +3,11 @@
 Each example is a short natural-language sentence about one record and the
 JSON object it describes, e.g.
     "Alice is 30 and lives in Paris" -> {"name": "Alice", "age": 30, "city": "Paris"}
-over a few schemas, with several phrasings each. Held-out examples come from
-another seed and never repeat a training sentence.
+over a few schemas, with several phrasings each. Half of the string values
+are made-up words (random syllables), so the model learns to copy values out
+of the request rather than to recall a list. Held-out examples come from
+another seed and never repeat a training sentence; `held_out(novel=True)`
+uses only made-up words from that seed, values training never showed.
 """
 
 import json
@@ -56,25 +59,43 @@ SCHEMAS = {
 
 
 
-TRAIN_SEED, TRAIN_SIZE = 0, 30000
+TRAIN_SEED, TRAIN_SIZE = 0, 40000
 HELD_OUT_SEED = 1
+MADE_UP_SHARE = 0.5  # of string values, in training
+
+ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "ch", "sh", "br",
+          "tr", "kl"]
+VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
 
 
-def sample(rng: random.Random) -> tuple[str, str, dict, str]:
+def made_up_word(rng: random.Random, capitalized: bool) -> str:
+    word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) for _ in range(rng.randint(1, 3)))
+    if rng.random() < 0.3:
+        word += rng.choice(["n", "r", "s", "x"])
+    return word.capitalize() if capitalized else word
+
+
+def sample(rng: random.Random, made_up_share: float) -> tuple[str, str, dict, str]:
     """(schema, request sentence, record, JSON answer)."""
     schema = rng.choice(sorted(SCHEMAS))
     spec = SCHEMAS[schema]
     record = {}
     for field, values in spec["fields"].items():
-        record[field] = rng.randint(*values) if isinstance(values, tuple) else rng.choice(values)
+        if isinstance(values, tuple):
+            record[field] = rng.randint(*values)
+        elif rng.random() < made_up_share:
+            record[field] = made_up_word(rng, capitalized=values[0][0].isupper())
+        else:
+            record[field] = rng.choice(values)
     request = rng.choice(spec["templates"]).format(**record)
     return schema, request, record, json.dumps(record)
 
 
-def dataset(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+def dataset(num: int, seed: int, exclude: set[str] = frozenset(),
+            made_up_share: float = MADE_UP_SHARE) -> list[dict]:
     rng, seen, out = random.Random(seed), set(exclude), []
     while len(out) < num:
-        schema, request, record, answer = sample(rng)
+        schema, request, record, answer = sample(rng, made_up_share)
         if request in seen:
             continue
         seen.add(request)
@@ -82,10 +103,15 @@ def dataset(num: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
     return out
 
 
-def held_out(num: int) -> list[dict]:
-    """Requests the training set (dataset(TRAIN_SIZE, TRAIN_SEED)) never contains."""
-    train = {e["request"] for e in dataset(TRAIN_SIZE, TRAIN_SEED)}
-    return dataset(num, HELD_OUT_SEED, exclude=train)
+def held_out(num: int, novel: bool = False) -> list[dict]:
+    """Requests the training set (dataset(TRAIN_SIZE, TRAIN_SEED)) never contains;
+    with `novel`, every string value is a made-up word training never showed."""
+    train = dataset(TRAIN_SIZE, TRAIN_SEED)
+    if not novel:
+        return dataset(num, HELD_OUT_SEED, exclude={e["request"] for e in train}, made_up_share=0.0)
+    known = {v for e in train for v in e["record"].values() if isinstance(v, str)}
+    return [e for e in dataset(4 * num, HELD_OUT_SEED, made_up_share=1.0)
+            if not known & {v for v in e["record"].values() if isinstance(v, str)}][:num]
 
 
 def json_schema(schema: str) -> dict:

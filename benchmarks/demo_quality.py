@@ -1,10 +1,12 @@
 """Does the embedded demo answer in JSON? Held-out requests through a running server.
 
-For requests the training script never saw (benchmarks/demo_data.held_out):
-the share of answers that parse as one JSON object, that hold exactly the
-record's fields and values, and per-field accuracy; greedy decoding, without
-and with guided decoding (OpenAI `response_format` with the record's JSON
-schema, vLLM's structured outputs).
+For requests the training script never saw (benchmarks/demo_data.held_out),
+in two sets: "familiar" values (names, cities, ... training used, in new
+sentences) and "novel" made-up values training never showed (the model must
+copy them): the share of answers that parse as one JSON object, that match
+the record's JSON schema, that hold exactly the record's values, and per-field
+accuracy; greedy decoding, without and with guided decoding (OpenAI
+`response_format` with the record's JSON schema, vLLM's structured outputs).
 
     python -m benchmarks.demo_quality [--base-url URL | --model DIR] [--num 200]
 """
@@ -16,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.demo_data import held_out, json_schema
+from benchmarks.demo_data import SCHEMAS, held_out, json_schema
 
 
 async def _answer(client, model, example, guided):
@@ -30,24 +32,32 @@ async def _answer(client, model, example, guided):
     return reply.choices[0].message.content or ""
 
 
+def matches_schema(answer: dict, schema: str) -> bool:
+    fields = SCHEMAS[schema]["fields"]
+    return set(answer) == set(fields) and all(
+        isinstance(answer[k], int) if isinstance(v, tuple) else isinstance(answer[k], str)
+        for k, v in fields.items())
+
+
 def score(example, text) -> dict:
+    total = len(example["record"])
     try:
         answer = json.loads(text)
     except json.JSONDecodeError:
-        return {"valid": False, "exact": False, "fields": 0, "total": len(example["record"])}
+        answer = None
     if not isinstance(answer, dict):
-        return {"valid": False, "exact": False, "fields": 0, "total": len(example["record"])}
+        return {"valid": False, "schema": False, "exact": False, "fields": 0, "total": total}
     right = sum(answer.get(k) == v for k, v in example["record"].items())
-    return {"valid": True, "exact": answer == example["record"], "fields": right,
-            "total": len(example["record"])}
+    return {"valid": True, "schema": matches_schema(answer, example["schema"]),
+            "exact": answer == example["record"], "fields": right, "total": total}
 
 
 def evaluate(base_url: str, model: str, examples: list[dict], guided: bool,
-             concurrency: int = 16) -> dict:
+             concurrency: int = 16, api_key: str | None = None) -> dict:
     from openai import AsyncOpenAI
 
     async def run():
-        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
+        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or "unused", timeout=300)
         limit = asyncio.Semaphore(concurrency)
 
         async def one(example):
@@ -63,6 +73,7 @@ def evaluate(base_url: str, model: str, examples: list[dict], guided: bool,
     return {
         "guided": guided, "requests": len(examples),
         "valid_json": sum(s["valid"] for s in scores) / len(scores),
+        "schema_valid": sum(s["schema"] for s in scores) / len(scores),
         "exact_values": sum(s["exact"] for s in scores) / len(scores),
         "field_accuracy": sum(s["fields"] for s in scores) / sum(s["total"] for s in scores),
         "examples": [{"request": e["request"], "answer": t} for e, t in zip(examples[:3], texts)],
@@ -75,42 +86,47 @@ def main(argv=None) -> list[dict]:
     target.add_argument("--base-url", help="a running server of the demo model")
     target.add_argument("--model", help="checkpoint to start `tpu-models serve` on "
                                         "(default: the embedded demo)")
-    parser.add_argument("--num", type=int, default=200)
+    parser.add_argument("--api-key", help="with --base-url")
+    parser.add_argument("--num", type=int, default=200, help="requests per set")
     parser.add_argument("--out", default="demo-quality.json")
     args = parser.parse_args(argv)
-    examples = held_out(args.num)
+    sets = {"familiar": held_out(args.num), "novel": held_out(args.num, novel=True)}
     server = None
     if args.base_url:
         from openai import OpenAI
         base_url = args.base_url.rstrip("/")
-        model = OpenAI(base_url=f"{base_url}/v1", api_key="unused").models.list().data[0].id
+        model = OpenAI(base_url=f"{base_url}/v1",
+                       api_key=args.api_key or "unused").models.list().data[0].id
     else:
         from server.process import Server
         log = Path(tempfile.mkdtemp(prefix="demo-quality-")) / "serve.log"
-        server = Server(args.model, "--served-model-name", "demo", "--dtype", "float32",
-                        "--max-model-len", "256", "--kv-cache-memory-bytes", "134217728",
-                        log=log).start()
+        server = Server(args.model, "--served-model-name", "demo", "--max-model-len", "256",
+                        "--kv-cache-memory-bytes", str(256 << 20), log=log).start()
         base_url, model = server.url, "demo"
     try:
-        rows = [evaluate(base_url, model, examples, guided) for guided in (False, True)]
+        rows = [{"set": name, **evaluate(base_url, model, examples, guided, api_key=args.api_key)}
+                for name, examples in sets.items() for guided in (False, True)]
     finally:
         if server:
             server.stop()
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"demo model on {len(examples)} held-out requests")
-    for column in ("decoding", "valid JSON", "exact values", "field accuracy"):
+    table = Table(title=f"demo model on held-out requests ({args.num} per set)")
+    for column in ("values", "decoding", "valid JSON", "schema", "exact values", "field accuracy"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row("guided (json_schema)" if row["guided"] else "free", f"{row['valid_json']:.1%}",
+        table.add_row(row["set"], "guided (json_schema)" if row["guided"] else "free",
+                      f"{row['valid_json']:.1%}", f"{row['schema_valid']:.1%}",
                       f"{row['exact_values']:.1%}", f"{row['field_accuracy']:.1%}")
     Console(width=120).print(table)
-    for example in rows[0]["examples"]:
-        print(f"  {example['request']!r} -> {example['answer']}")
+    for row in rows:
+        if not row["guided"]:
+            for example in row["examples"]:
+                print(f"  {example['request']!r} -> {example['answer']}")
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    print(json.dumps({"benchmark": "demo_quality",
-                      **{("guided_" if r["guided"] else "free_") + k: r[k]
-                         for r in rows for k in ("valid_json", "exact_values", "field_accuracy")}}))
+    print(json.dumps({"benchmark": "demo_quality", **{
+        f"{r['set']}_{'guided' if r['guided'] else 'free'}_{k}": r[k] for r in rows
+        for k in ("valid_json", "schema_valid", "exact_values", "field_accuracy")}}))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Trains the embedded demo model: a ~1M-parameter Qwen3-structural that answers in JSON.
+"""Trains the embedded demo model: a ~2M-parameter Qwen3-structural that answers in JSON.
 
 The whole path the product serves, in miniature:
   1. synthetic requests -> JSON answers (benchmarks/demo_data.py), a byte-level
@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 from benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
 
-CONFIG = dict(vocab=512, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, mlp=384,
+CONFIG = dict(vocab=512, hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, mlp=576,
               rope_theta=10000.0, eps=1e-6, max_len=96)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -26,8 +26,11 @@ class Server:
     """
 
     def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None,
-                 command: list[str] | None = None):
+                 command: list[str] | None = None, api_key: str | None = None):
         self.port = free_port()
+        self.api_key = api_key
+        if api_key:
+            args = (*args, "--api-key", api_key)
         self.url = f"http://127.0.0.1:{self.port}"
         base = command or [sys.executable, "-m", "server.cli", "serve"]
         self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
@@ -82,13 +85,16 @@ class Server:
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.output().splitlines()[-lines:])
 
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def client(self, **kwargs):
         from openai import OpenAI
-        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+        return OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", **kwargs)
 
     def async_client(self, **kwargs):
         from openai import AsyncOpenAI
-        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", **kwargs)
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", **kwargs)
 
     def __enter__(self):
         return self.start()

@@ -12,3 +12,18 @@ for key, value in {"TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_NAME": "local",
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import pytest  # noqa: E402
+
+DEMO_API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """`tpu-models serve` with no model (the embedded demo), as the README starts it, plus
+    an API key; shared by the demo, request-validation, soak and benchmark smoke tests."""
+    from server.process import Server
+    log = tmp_path_factory.mktemp("demo-server") / "serve.log"
+    with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20),
+                log=log, api_key=DEMO_API_KEY) as server:
+        yield server
