@@ -75,8 +75,11 @@ def remove_stale_partials(out: Path) -> list[Path]:
     (killed half-way): `.<name>.partial-<pid>@<host>-*` on this host, pid not running."""
     removed = []
     host = socket.gethostname()
-    for path in out.parent.glob(_partial_prefix(out) + "*"):
-        owner = path.name[len(_partial_prefix(out)):].rsplit("-", 1)[0]
+    prefix = _partial_prefix(out)
+    for path in out.parent.iterdir() if out.parent.is_dir() else ():
+        if not path.name.startswith(prefix) or not path.is_dir():
+            continue
+        owner = path.name[len(prefix):].rsplit("-", 1)[0]
         pid, _, owner_host = owner.partition("@")
         if owner_host != host or not pid.isdigit() or _alive(int(pid)):
             continue
