@@ -46,6 +46,9 @@ class Stepper:
         self.page_size, self.pages_per_seq, self.max_seqs = page_size, pages_per_seq, max_seqs
         num_pages = max_seqs * pages_per_seq + 1
         cache_dtype = jnp.dtype(self.vllm_config.model_config.dtype if dtype == "auto" else dtype)
+        if self.vllm_config.cache_config.cache_dtype != "auto":  # e.g. kv_cache_dtype="fp8"
+            from tpu_inference.utils import to_jax_dtype
+            cache_dtype = to_jax_dtype(self.vllm_config.cache_config.cache_dtype)
         kv_heads = max(hf.num_key_value_heads, num_devices)
         shape = kv_cache_shape(num_pages, page_size, kv_heads, head_dim, cache_dtype)
         from jax.sharding import NamedSharding, PartitionSpec as P

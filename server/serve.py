@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from quant import rules as quant_rules
 from server import portability
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -40,6 +41,11 @@ def parser() -> argparse.ArgumentParser:
                    help="refuse to start if a weight holds NaN or infinity, naming the tensor "
                         "(one extra pass over the weights while loading; same as "
                         "--additional-config '{\"check_weights\": true}')")
+    p.add_argument("--quant", metavar="PRESET|RULES.yaml",
+                   help="quantize with Qwix while loading: a preset "
+                        f"({', '.join(quant_rules.preset_names())}) or a rules file; checked "
+                        "before start-up, then passed as --additional-config "
+                        "'{\"quantization\": {\"qwix\": {\"rules\": [...]}}}'")
     p.add_argument("--dry-run", action="store_true",
                    help="print the vllm command and environment instead of running it")
     return p
@@ -73,6 +79,8 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         vllm_args = _with_additional_config(vllm_args, {"merge_lora": os.path.abspath(args.lora)})
     if args.check_weights:
         vllm_args = _with_additional_config(vllm_args, {"check_weights": True})
+    if args.quant:
+        vllm_args = _with_additional_config(vllm_args, quant_rules.additional_config(args.quant))
     if not _given(vllm_args, "--host"):
         vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *vllm_args]
@@ -111,7 +119,10 @@ def check_model(model: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    command, env = build_command(argv, os.environ)
+    try:
+        command, env = build_command(argv, os.environ)
+    except quant_rules.RulesError as e:
+        sys.exit(f"tpu-models serve: {e}")
     check_model(command[4])
     if "--dry-run" in argv:
         changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
