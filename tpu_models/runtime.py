@@ -25,6 +25,9 @@ logger = init_logger(__name__)
 LORA_KEY = "merge_lora"
 # --additional-config key: refuse weights holding NaN or infinities (one extra pass).
 CHECK_WEIGHTS_KEY = "check_weights"
+# --kv-cache-dtype values our attention stores: one element type, per-tensor
+# scale 1.0 (quantize_kv), so no per-token-head or packed 4-bit layouts.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +45,14 @@ class Engine:
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise NotImplementedError("tpu-models: pipeline parallelism is not supported; "
                                       "use --tensor-parallel-size")
+        kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"tpu-models: --kv-cache-dtype {kv_cache_dtype} is not supported "
+                             f"by our attention (supported: {', '.join(KV_CACHE_DTYPES)})")
         return cls(
             dtype=vllm_config.model_config.dtype,
             quant_config=getattr(vllm_config, "quant_config", None),
-            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+            kv_cache_dtype=kv_cache_dtype,
             attention_backend=create_attention_backend(attention_backend_name(vllm_config)),
             vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB),
             head_shards=get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD))
