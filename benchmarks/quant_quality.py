@@ -59,6 +59,7 @@ def step(stepper, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
     runner buckets it: a handful of compiled shapes serve every batch."""
     import dataclasses
 
+    import jax
     import jax.numpy as jnp
 
     ids, md, *rest = stepper.prepare(chunks)
@@ -66,9 +67,10 @@ def step(stepper, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
     ids = jnp.pad(ids, (0, pad))
     md = dataclasses.replace(md, input_positions=jnp.pad(md.input_positions, (0, pad)))
     fns = stepper.interface
-    stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches, ids, md,
-                                                 *rest)
-    logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
+    with jax.set_mesh(stepper.mesh):  # as the runner: quantized matmuls shard by it
+        stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches, ids, md,
+                                                     *rest)
+        logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
     out, row = {}, 0
     for name, tokens in chunks.items():
         out[name] = logits[row:row + len(tokens)]
@@ -147,14 +149,18 @@ def weight_bytes(stepper) -> int:
 
 def decode_tokens_per_s(stepper, batch: int, context: int, repeats: int) -> float:
     """Tokens/s of one decode step (forward + logits) for `batch` sequences."""
+    import jax
+
     reset(stepper)
     step(stepper, {f"d{i}": [1 + i] * context for i in range(batch)})
     fns = stepper.interface
     args = stepper.prepare({f"d{i}": [1] for i in range(batch)})
 
     def decode_step():
-        stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches, *args)
-        fns.compute_logits_fn(fns.state_leaves, hidden).block_until_ready()
+        with jax.set_mesh(stepper.mesh):
+            stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches,
+                                                         *args)
+            fns.compute_logits_fn(fns.state_leaves, hidden).block_until_ready()
 
     for _ in range(3):
         decode_step()

@@ -18,6 +18,7 @@ from vllm.config import VllmConfig
 from loaders.hf import CheckpointError, HfCheckpoint, check_finite
 from loaders.lora import LoraAdapter
 from loaders.tables import check_checkpoint
+from quant import checkpoint as prequantized
 
 logger = init_logger(__name__)
 
@@ -49,6 +50,7 @@ class Engine:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"tpu-models: --kv-cache-dtype {kv_cache_dtype} is not supported "
                              f"by our attention (supported: {', '.join(KV_CACHE_DTYPES)})")
+        check_prequantized(vllm_config)
         return cls(
             dtype=vllm_config.model_config.dtype,
             quant_config=getattr(vllm_config, "quant_config", None),
@@ -56,6 +58,23 @@ class Engine:
             attention_backend=create_attention_backend(attention_backend_name(vllm_config)),
             vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB),
             head_shards=get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD))
+
+
+def check_prequantized(vllm_config: VllmConfig) -> None:
+    """A checkpoint's own quantization_config: refused before the model is built
+    unless tpu-inference's methods load it (quant/checkpoint.py), and never
+    stacked with Qwix rules or a LoRA merge."""
+    scheme = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    if not scheme:
+        return
+    extra = vllm_config.additional_config or {}
+    where = os.path.join(model_directory(vllm_config), "config.json")
+    prequantized.check_scheme(scheme, where)
+    for key, flag in (("quantization", "--quant / Qwix rules"), (LORA_KEY, "--lora")):
+        if extra.get(key):
+            raise prequantized.UnsupportedQuantization(
+                f"{where}: the checkpoint is already quantized ({scheme.get('quant_method')}); "
+                f"{flag} cannot be applied on top of it")
 
 
 def mask_padded_vocab(logits, vocab_size: int):
@@ -89,6 +108,9 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) ->
     extra = vllm_config.additional_config or {}
     checkpoint = HfCheckpoint(model_directory(vllm_config))
     config = vllm_config.model_config.hf_text_config
+    scheme = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    if scheme:  # per-channel scales next to the quantized weights
+        table = prequantized.checkpoint_table(table, scheme, str(checkpoint.directory))
     check_checkpoint(checkpoint, config, table, optional=optional)
     check_tokenizer(vllm_config, config.vocab_size)
     check_weights = bool(extra.get(CHECK_WEIGHTS_KEY))
