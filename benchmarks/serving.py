@@ -126,12 +126,13 @@ def metrics(results: list[Result], duration: float) -> dict:
 
 def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_len: int,
           num_prompts: int, concurrencies: list[int], request_rate: float = math.inf,
-          warmup: int = 2, seed: int = 0, avoid_tokens: set[int] = frozenset()) -> list[dict]:
+          warmup: int = 2, seed: int = 0, avoid_tokens: set[int] = frozenset(),
+          api_key: str = "unused") -> list[dict]:
     """One run per concurrency (after `warmup` requests); returns a row of metrics each."""
     from openai import AsyncOpenAI
 
     async def main():
-        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=600,
+        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600,
                              max_retries=0)
         warm = random_prompts(warmup, input_len, vocab_size, seed + 1, avoid_tokens)
         await run_load(client, model, warm, output_len, concurrency=warmup)

@@ -20,6 +20,7 @@ def parser() -> argparse.ArgumentParser:
     target = serve.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="an OpenAI-compatible server already running")
     target.add_argument("--model", help="start `tpu-models serve MODEL` on loopback and measure it")
+    serve.add_argument("--api-key", default="unused", help="with --base-url, if it needs one")
     serve.add_argument("--server-args", default="", help="extra arguments for the started server")
     serve.add_argument("--tokenizer", help="tokenizer directory (default: --model); sets the "
                                            "vocabulary random prompts are drawn from")
@@ -76,12 +77,12 @@ def bench_serve(args) -> dict:
     else:
         base_url = args.base_url.rstrip("/")
         from openai import OpenAI
-        model = OpenAI(base_url=f"{base_url}/v1", api_key="unused").models.list().data[0].id
+        model = OpenAI(base_url=f"{base_url}/v1", api_key=args.api_key).models.list().data[0].id
     try:
         rows = serving.sweep(base_url, model, vocab_size=vocab_size, input_len=args.input_len,
                              output_len=args.output_len, num_prompts=args.num_prompts,
                              concurrencies=args.concurrency, request_rate=args.request_rate,
-                             warmup=args.warmup, avoid_tokens=special)
+                             warmup=args.warmup, avoid_tokens=special, api_key=args.api_key)
     finally:
         if server:
             server.stop()
@@ -97,6 +98,10 @@ def bench_serve(args) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["step"]:  # its options are the benchmark's own
+        from benchmarks.step import main as step_main
+        step_main(argv[1:])
+        return
     args = parser().parse_args(argv)
     if args.kind == "serve":
         bench_serve(args)
@@ -107,6 +112,3 @@ def main(argv: list[str]) -> None:
         compare(concurrencies=args.concurrency, input_len=args.input_len,
                 output_len=args.output_len, num_prompts=args.num_prompts, shape=shape,
                 dtype=args.dtype, out=args.out, plot=args.plot)
-    elif args.kind == "step":
-        from benchmarks.step import main as step_main
-        step_main(args.args)

@@ -1,0 +1,52 @@
+"""Seconds-long smoke runs of every benchmark command: they run, count right, and write
+their JSON (and plots). The figures themselves come from full runs (README, benchmarks/)."""
+
+import json
+
+import pytest
+
+from server import bench, cli
+from server.serve import DEFAULT_MODEL
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_serve_against_a_running_server(demo_server, tmp_path):
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    document = bench.bench_serve(bench.parser().parse_args([
+        "serve", "--base-url", demo_server.url, "--api-key", demo_server.api_key,
+        "--tokenizer", str(DEFAULT_MODEL), "--input-len", "24", "--output-len", "8",
+        "--num-prompts", "6", "--concurrency", "1,3", "--warmup", "1",
+        "--out", str(out), "--plot", str(plot)]))
+    rows = document["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for row in rows:
+        assert row["failed"] == 0 and row["completed"] == 6
+        assert row["total_output_tokens"] == 6 * 8 and row["total_input_tokens"] == 6 * 24
+        assert row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+    assert json.loads(out.read_text())["rows"][0]["concurrency"] == 1
+    assert plot.stat().st_size > 0
+
+
+def test_bench_compare_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIP_JAX_PRECOMPILE", "1")  # two servers: start them fast
+    from benchmarks.compare import compare
+    result = compare(concurrencies=[1, 2], input_len=16, output_len=8, num_prompts=4,
+                     shape={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                            "vocab_size": 512},
+                     dtype="float32", hf_rounds=1, out=tmp_path / "compare.json")
+    for row in result["rows"]:
+        assert row["failed"] == 0
+        assert row["ours_tok_s"] > 0 and row["builtin_tok_s"] > 0 and row["transformers_tok_s"] > 0
+    assert json.loads((tmp_path / "compare.json").read_text())["benchmark"] == "compare"
+
+
+def test_bench_step_smoke(tmp_path):
+    out = tmp_path / "step.json"
+    cli.main(["bench", "step", "--layers", "1", "--vocab-size", "1024", "--batch", "1,2",
+              "--context", "32", "--repeats", "1", "--bandwidth-mib", "128", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert {(r["batch"], r["context"]) for r in result["rows"]} == {(1, 32), (1, 1), (2, 32), (2, 1)}
+    for row in result["rows"]:
+        assert row["step_ms"] > 0 and 0 < row["efficiency"] and row["limit_ms"] > 0
+    assert result["xla_read_gb_s"] > 0
