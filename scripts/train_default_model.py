@@ -12,8 +12,8 @@ The whole path the product serves, in miniature:
 
 The forward pass below follows HF Qwen3 semantics (RMSNorm, q/k norms, RoPE
 rotate-half, GQA, SwiGLU) plus the structural head, so the exported model is
-the trained one. Run from the repo root (about 10 minutes on 2 CPU cores):
-    ./dev python scripts/train_default_model.py [--steps 1500] [--out server/default_model]
+the trained one. Run from the repo root (about 20 minutes on 2 idle CPU cores):
+    ./dev python scripts/train_default_model.py [--steps 800] [--out server/default_model]
 """
 
 import argparse
@@ -193,7 +193,7 @@ def train(ids, mask, steps, batch, pad_id, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "server" / "default_model"))
     args = parser.parse_args()

@@ -18,6 +18,13 @@ def test_free_decoding_answers_in_json(demo_server):
     assert result["exact_values"] >= 0.80, result["examples"]
 
 
+def test_free_decoding_copies_values_it_never_saw(demo_server):
+    result = evaluate(demo_server.url, DEFAULT_NAME, held_out(NUM, novel=True), guided=False,
+                      api_key=demo_server.api_key)
+    assert result["valid_json"] >= 0.90, result["examples"]
+    assert result["field_accuracy"] >= 0.90, result["examples"]
+
+
 def test_guided_decoding_always_valid_under_concurrency(demo_server):
     # 16 at once: every request must be masked by its own schema's grammar.
     result = evaluate(demo_server.url, DEFAULT_NAME, held_out(NUM, novel=True), guided=True,
