@@ -38,12 +38,18 @@ class Server:
         self.env = {**os.environ, **(env or {})}
         self.process = None
 
-    def start(self) -> "Server":
+    def launch(self) -> "Server":
+        """Starts the process without waiting for it to serve (`start` waits)."""
         self.log = open(self.log_path, "w")
         self.started = time.monotonic()
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env=self.env, start_new_session=True,
                                         cwd=Path(__file__).parents[1])
+        return self
+
+    def start(self) -> "Server":
+        if self.process is None:
+            self.launch()
         while time.monotonic() - self.started < STARTUP_TIMEOUT:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.tail()}")

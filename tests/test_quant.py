@@ -1,0 +1,541 @@
+"""Quantization: Qwix presets and rule files, the fp8 KV cache, pre-quantized checkpoints.
+
+Every preset is served by the real `vllm serve --quant PRESET` (Qwen3-structural:
+the trained demo; Gemma 3: a tiny model with decisive logits), and its
+next-token distributions, read back as full-vocabulary prompt logprobs, are
+compared with unquantized transformers. The rest is model level, through
+tpu-inference's get_model (the path `vllm serve` takes, Qwix included).
+
+Bounds. A quantizer adds a relative error eps to each matmul it touches:
+- b-bit integers, one absmax scale per n values: the rounding step is
+  max|w| / (2^(b-1) - 1), its error uniform, so eps = (max|w| / rms(w)) /
+  (2^(b-1) - 1) / sqrt(12); max/rms ~ 3 over a channel of a few hundred
+  weights, ~ 2.5 over a tile of 32. int8: 0.68%, int4 (tiles of 32): 10.3%;
+- float8_e4m3fn: 3 mantissa bits, relative error uniform in +-2^-4: 3.6%;
+- weights and activations both rounded: sqrt(2) x; errors that add up
+  (fp8 matmuls and the fp8 KV cache) add in quadrature.
+A top-1 token flips only where the logit margin is smaller than the logit
+error, and margins have a density near zero, so disagreement grows like eps;
+KL grows like eps^2 (second order in the logit error). Anchored at
+int8-weight-only (top-1 >= 99%, mean KL <= 5e-4, max KL <= 0.05: 2-8x what it
+measures on the demo), with r = eps / eps(int8-weight-only):
+    top-1 >= 1 - 1% r,  mean KL <= 5e-4 r^2,  max KL <= min(0.05 r^2, 2 nats),
+    greedy prefix agreement >= (1 - 1% r) ^ tokens (a whole sequence survives).
+A broken quantizer (wrong scale or layout) gives KL of nats and top-1 near
+chance; no quantization at all gives KL ~ 0, which is checked against too.
+"""
+
+import asyncio
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from quant import checkpoint as prequantized
+from quant import rules
+from server.serve import DEFAULT_MODEL, build_command
+from tests.tiny import Reference, make_gemma3
+
+DEMO = DEFAULT_MODEL  # the trained Qwen3-structural demo (decisive, JSON answers)
+GREEDY_TOKENS = 16
+
+_INT8 = 3 / 127 / math.sqrt(12)
+_FP8 = 2**-4 / math.sqrt(3)
+EPS = {
+    "int8-weight-only": _INT8,
+    "int8": math.sqrt(2) * _INT8,
+    "fp8": math.sqrt(2) * _FP8,
+    "int4-weight-only": 2.5 / 7 / math.sqrt(12),
+    "kv:fp8": _FP8,
+}
+
+
+def bounds(eps: float) -> dict:
+    r = eps / _INT8
+    return {"top1": 1 - 0.01 * r, "mean_kl": 5e-4 * r * r, "max_kl": min(0.05 * r * r, 2.0),
+            "greedy_prefix": (1 - 0.01 * r)**GREEDY_TOKENS}
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def distances(reference: np.ndarray, other: np.ndarray) -> dict:
+    """Top-1 agreement and KL(reference || other); both [positions, V] log-probabilities."""
+    kl = (np.exp(reference) * (reference - other)).sum(-1)
+    return {"top1": float((reference.argmax(-1) == other.argmax(-1)).mean()),
+            "mean_kl": float(kl.mean()), "max_kl": float(kl.max())}
+
+
+def assert_within(measured: dict, bound: dict, what: str) -> None:
+    print(f"{what}: {json.dumps({k: round(v, 6) for k, v in measured.items()})}")
+    assert measured["mean_kl"] > 1e-8, f"{what}: identical to unquantized: nothing quantized?"
+    assert measured["top1"] >= bound["top1"], (what, measured, bound)
+    assert measured["mean_kl"] <= bound["mean_kl"], (what, measured, bound)
+    assert measured["max_kl"] <= bound["max_kl"], (what, measured, bound)
+
+
+# --- presets and rule files ------------------------------------------------------
+
+
+def test_rule_fields_are_qwix_quantization_rule_fields():
+    assert rules.RULE_FIELDS == rules.qwix_rule_fields()
+
+
+@pytest.mark.parametrize("preset", rules.preset_names())
+def test_preset_maps_one_to_one_onto_qwix_rules(preset):
+    config = rules.load(preset)
+    qwix_rules = rules.to_qwix_rules(config)
+    for raw, rule in zip(config["qwix"]["rules"], qwix_rules):
+        assert {k: getattr(rule, k) for k in raw} == raw
+    assert rules.describe(preset)
+
+
+def first_rule(config: dict, module_path: str) -> dict | None:
+    """The rule Qwix applies to a module: the first whose module_path fully matches."""
+    return next((r for r in config["qwix"]["rules"] if re.fullmatch(r["module_path"], module_path)),
+                None)
+
+
+HIGH_PRECISION = ["model/embed_tokens", "lm_head", "structural_head", "model/norm",
+                  "model/layers/0/input_layernorm", "model/layers/3/post_attention_layernorm",
+                  "model/layers/0/self_attn/q_norm", "model/layers/1/self_attn/k_norm",
+                  "model/layers/2/pre_feedforward_layernorm",
+                  "model/layers/2/post_feedforward_layernorm",
+                  "model/layers/0/self_attn"]  # attention's own q.k and p.v einsums
+PROJECTIONS = [f"model/layers/{i}/{m}" for i in (0, 17) for m in (
+    "self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
+    "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")]
+
+
+@pytest.mark.parametrize("preset", rules.preset_names())
+def test_preset_keeps_embeddings_heads_norms_and_attention_in_high_precision(preset):
+    config = rules.load(preset)
+    for path in HIGH_PRECISION:
+        rule = first_rule(config, path)
+        assert rule is None or rule.get("weight_qtype") is None, (path, rule)
+    for path in PROJECTIONS:
+        assert first_rule(config, path)["weight_qtype"], path
+
+
+GOOD_RULE = {"module_path": ".*_proj", "weight_qtype": "int8"}
+BAD_RULES = {
+    "bad regex": ({"module_path": "model/(layers"}, "rules[1].module_path", "bad regex"),
+    "unknown qtype": ({**GOOD_RULE, "weight_qtype": "int9"}, "rules[1].weight_qtype",
+                      "unknown qtype 'int9'"),
+    "unknown act qtype": ({**GOOD_RULE, "act_qtype": "fp8"}, "rules[1].act_qtype",
+                          "unknown qtype 'fp8'"),
+    "unknown field": ({**GOOD_RULE, "weight_dtype": "int8"}, "rules[1]",
+                      "unknown field 'weight_dtype'"),
+    "act without weight": ({"module_path": ".*", "act_qtype": "int8"}, "rules[1].act_qtype",
+                           "without weight_qtype"),
+    "zero tile": ({**GOOD_RULE, "tile_size": 0}, "rules[1].tile_size", "positive integer"),
+    "bad calibration": ({**GOOD_RULE, "weight_calibration_method": "median"},
+                        "rules[1].weight_calibration_method", "unknown calibration 'median'"),
+    "calibration arguments": ({**GOOD_RULE, "weight_calibration_method": "rms"},
+                              "rules[1].weight_calibration_method", "rms takes 1..1"),
+    "op name": ({**GOOD_RULE, "op_names": ["matmul"]}, "rules[1].op_names", "einsum"),
+    "missing path": ({"weight_qtype": "int8"}, "rules[1].module_path", "missing"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RULES, ids=list(BAD_RULES))
+def test_bad_rule_file_names_file_rule_and_field(case, tmp_path):
+    rule, where, why = BAD_RULES[case]
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"qwix": {"rules": [{"module_path": ".*norm"}, rule]}}))
+    with pytest.raises(rules.RulesError) as error:
+        rules.load(str(path))
+    assert f"{path}: {where}" in str(error.value) and why in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("document, why", [
+    ("qwix: {rules: []}", "non-empty list"),
+    ("quantization: {qwix: {rules: []}}", "unknown top-level key(s) ['quantization']"),
+    ("qwix: {rules: [{module_path: x}], use_abstract_model: true}", "use_abstract_model"),
+    ("qwix: {rules: [{module_path: x}], scale: bf16}", "unknown key(s) under qwix: ['scale']"),
+    ("qwix: {rules: [[1]]}", "rules[0]: expected a mapping"),
+    ("qwix: [", "not valid YAML"),
+])
+def test_bad_rule_file_structure(document, why, tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_text(document)
+    with pytest.raises(rules.RulesError, match=re.escape(why)):
+        rules.load(str(path))
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(rules.RulesError, match="int8-weight-only"):
+        rules.load("int3-magic")
+
+
+def additional_config(command: list[str]) -> dict:
+    return json.loads(command[command.index("--additional-config") + 1])
+
+
+def test_quant_flag_passes_rules_as_tpu_inference_additional_config(tmp_path):
+    command, _ = build_command(["m", "--quant", "int8", "--additional-config",
+                                '{"merge_lora": "/a"}'], {"JAX_PLATFORMS": "cpu"})
+    assert additional_config(command) == {"merge_lora": "/a", "quantization": rules.load("int8")}
+    own = tmp_path / "mine.yaml"
+    own.write_text("qwix:\n  rules:\n    - module_path: '.*mlp/\\w+_proj'\n      weight_qtype: int4\n"
+                   "      tile_size: 32\n")
+    command, _ = build_command(["m", "--quant", str(own)], {"JAX_PLATFORMS": "cpu"})
+    assert additional_config(command)["quantization"] == {"qwix": {"rules": [
+        {"module_path": ".*mlp/\\w+_proj", "weight_qtype": "int4", "tile_size": 32}]}}
+
+
+def test_serve_refuses_a_bad_rules_file_before_starting(tmp_path, monkeypatch):
+    from server import serve
+    path = tmp_path / "rules.yaml"
+    path.write_text("qwix:\n  rules:\n    - module_path: '.*norm'\n"
+                    "    - {module_path: '.*_proj', weight_qtype: int9}\n")
+
+    def execvpe(*args):
+        raise AssertionError("vllm serve was started")
+
+    monkeypatch.setattr(serve.os, "execvpe", execvpe)
+    with pytest.raises(SystemExit) as exit:
+        serve.main([str(DEMO), "--quant", str(path)])
+    assert str(exit.value.code) == (f"tpu-models serve: {path}: rules[1].weight_qtype: "
+                                    "unknown qtype 'int9' (known: " + ", ".join(rules.QTYPES) + ")")
+
+
+# --- pre-quantized checkpoints: scheme checks ------------------------------------
+
+FP8_DYNAMIC = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                    "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                              "symmetric": True, "dynamic": True}}},
+    "ignore": ["lm_head", "structural_head"],
+}
+
+
+def scheme(**group) -> dict:
+    return {**FP8_DYNAMIC, "config_groups": {"group_0": {
+        **FP8_DYNAMIC["config_groups"]["group_0"], **group}}}
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+    (scheme(weights={"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}),
+     "group_0 (weights int8 channel, input_activations float8 token dynamic)"),
+    (scheme(weights={"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+            input_activations=None), "group_0 (weights int4 group(128), input_activations none)"),
+    (scheme(weights={"num_bits": 8, "type": "float", "strategy": "tensor"}),
+     "weights float8 tensor"),
+    (scheme(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor",
+                               "dynamic": False}), "input_activations float8 tensor"),
+    ({**FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+])
+def test_unsupported_checkpoint_schemes_are_named(config, why):
+    with pytest.raises(prequantized.UnsupportedQuantization, match=re.escape(why)):
+        prequantized.check_scheme(config, "ckpt/config.json")
+
+
+def test_prequantized_table_adds_per_channel_scales_and_refuses_a_quantized_lm_head():
+    table = {"model.layers.0.self_attn.q_proj.weight": (64, 32), "model.norm.weight": (32, ),
+             "lm_head.weight": (100, 32), "structural_head.weight": (32, 32)}
+    assert prequantized.checkpoint_table(table, FP8_DYNAMIC) == {
+        **table, "model.layers.0.self_attn.q_proj.weight_scale": (64, 1)}
+    with pytest.raises(prequantized.UnsupportedQuantization, match="lm_head is quantized"):
+        prequantized.checkpoint_table(table, {**FP8_DYNAMIC, "ignore": ["re:.*structural.*"]})
+
+
+# --- model level (tpu-inference's get_model, Qwix through its qwix_utils) --------
+
+
+def write_fp8_checkpoint(source: Path, out: Path, config: dict = FP8_DYNAMIC) -> Path:
+    """`source` with every *_proj weight stored as compressed-tensors FP8 (per-channel
+    absmax scales), as llm-compressor's FP8_DYNAMIC recipe writes it."""
+    out.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (out / file.name).write_bytes(file.read_bytes())
+    tensors = {}
+    for name, weight in load_file(source / "model.safetensors").items():
+        if re.fullmatch(r".*_proj\.weight", name):
+            scale = weight.float().abs().amax(dim=1, keepdim=True) / 448.0
+            tensors[name] = (weight.float() / scale).to(torch.float8_e4m3fn)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            tensors[name] = weight
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((source / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**hf, "quantization_config": config}, indent=2))
+    return out
+
+
+class Model:
+    """One checkpoint at model level: its unquantized logits, then quantized variants."""
+
+    def __init__(self, directory, sequences):
+        from benchmarks import quant_quality
+        self.qq, self.directory, self.sequences = quant_quality, directory, sequences
+        base = quant_quality.build(directory)
+        self.vocab_size = base.vllm_config.model_config.hf_config.vocab_size
+        self.base_bytes = quant_quality.weight_bytes(base)
+        self.base = self.log_probs(base)
+
+    def log_probs(self, stepper) -> np.ndarray:
+        logits = np.concatenate(self.qq.logits_of(stepper, self.sequences))
+        return log_softmax(logits[:, :self.vocab_size])
+
+    def quantized(self, quant, directory=None):
+        stepper = self.qq.build(directory or self.directory, quant)
+        return stepper, distances(self.base, self.log_probs(stepper))
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    from benchmarks.quant_quality import demo_sequences
+    return Model(DEMO, demo_sequences(DEMO, 8)[1])
+
+
+def dtypes_by_shape(stepper) -> dict:
+    out = {}
+    for leaf in stepper.interface.state_leaves:
+        out.setdefault(tuple(leaf.shape), set()).add(str(leaf.dtype))
+    return out
+
+
+def test_int4_and_fp8_kv_cache_on_the_demo_within_bounds(demo_model):
+    hf = json.loads((DEMO / "config.json").read_text())
+    V, D, F, L = hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    stepper, measured = demo_model.quantized("int4-weight-only")
+    assert_within(measured, bounds(EPS["int4-weight-only"]), "demo int4-weight-only")
+    leaves = stepper.interface.state_leaves
+    assert sum(str(x.dtype) == "int4" for x in leaves) == 7 * L  # every projection
+    by_shape = dtypes_by_shape(stepper)
+    for shape in [(V, D), (D, V), (D, D), (D, )]:  # embedding, lm_head, structural_head, norms
+        assert by_shape[shape] == {"float32"}, shape
+    assert (D, F) in by_shape and by_shape[(D, F)] <= {"int4", "float32"}
+    # int4 counts half a byte, as stored on TPU; 4 B per weight unquantized
+    assert demo_model.qq.weight_bytes(stepper) < 0.35 * demo_model.base_bytes
+
+    _, measured = demo_model.quantized("kv:fp8")
+    assert_within(measured, bounds(EPS["kv:fp8"]), "demo fp8 KV cache")
+
+
+def test_prequantized_fp8_checkpoint_loads_through_tpu_inference_methods(demo_model, tmp_path):
+    checkpoint = write_fp8_checkpoint(DEMO, tmp_path / "fp8")
+    stepper, measured = demo_model.quantized(None, checkpoint)
+    assert_within(measured, bounds(EPS["fp8"]), "demo compressed-tensors FP8 checkpoint")
+    L = json.loads((DEMO / "config.json").read_text())["num_hidden_layers"]
+    assert sum(str(x.dtype) == "float8_e4m3fn" for x in stepper.interface.state_leaves) == 7 * L
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"config_groups": {"group_0": {**FP8_DYNAMIC["config_groups"]["group_0"], "weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}},
+     "compressed-tensors scheme group_0 (weights int8 channel"),
+    ({"ignore": ["structural_head"]}, "lm_head is quantized"),
+])
+def test_unsupported_prequantized_checkpoints_are_refused_by_name(change, why, tmp_path):
+    from benchmarks.quant_quality import build
+    checkpoint = write_fp8_checkpoint(DEMO, tmp_path / "ckpt", {**FP8_DYNAMIC, **change})
+    with pytest.raises(prequantized.UnsupportedQuantization, match=re.escape(why)) as error:
+        build(checkpoint)
+    assert str(checkpoint) in str(error.value)
+
+
+def test_qwix_rules_on_a_prequantized_checkpoint_are_refused(tmp_path):
+    from benchmarks.quant_quality import build
+    checkpoint = write_fp8_checkpoint(DEMO, tmp_path / "fp8")
+    with pytest.raises(prequantized.UnsupportedQuantization, match="already quantized"):
+        build(checkpoint, "int8")
+
+
+def test_kv_cache_dtype_our_attention_cannot_store_is_refused_by_name():
+    from benchmarks.quant_quality import build
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8_per_token_head is not supported"):
+        build(DEMO, "kv:int8_per_token_head")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Gemma 3 with one local and one global layer and decisive logits: embedding
+    std 0.2 (tied, it is also the vocabulary projection), median top-1 margin
+    ~2.7 nats, while the layers still carry the residual stream."""
+    directory = make_gemma3(tmp_path_factory.mktemp("gemma3"), num_layers=2, sliding_window=16)
+    config = json.loads((directory / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "full_attention"]
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.embed_tokens.weight"] *= 4
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def random_sequences(vocab_size: int, num: int = 8, length: int = 48) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, length).tolist() for _ in range(num)]
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(gemma3):
+    return Model(gemma3, random_sequences(384))
+
+
+@pytest.mark.parametrize("preset", ["int8-weight-only", "int8", "fp8"])
+def test_gemma3_presets_within_bounds(gemma3_model, preset):
+    _, measured = gemma3_model.quantized(preset)
+    assert_within(measured, bounds(EPS[preset]), f"gemma3 {preset}")
+
+
+# --- every preset through the real `vllm serve` ----------------------------------
+
+SERVED = [  # (preset, model, extra server arguments): each preset once, both models
+    ("int8-weight-only", "qwen3", []),
+    ("int8", "qwen3", []),
+    ("fp8", "qwen3", ["--kv-cache-dtype", "fp8"]),
+    ("int4-weight-only", "gemma3", []),
+]
+
+
+class ServerQueue:
+    """The servers of the selected SERVED cases, each launched while the one
+    before it is being tested: a start-up (mostly imports, one core) overlaps
+    the previous server's requests instead of following them."""
+
+    def __init__(self, selected: list[int], directories: dict, log_dir: Path):
+        self.selected, self.directories, self.log_dir = selected, directories, log_dir
+        self.servers = {}
+
+    def launch(self, index: int) -> None:
+        from server.process import Server
+        if index in self.servers:
+            return
+        preset, arch, extra = SERVED[index]
+        vocab_size = json.loads((self.directories[arch] / "config.json").read_text())["vocab_size"]
+        self.servers[index] = Server(
+            self.directories[arch], "--quant", preset, *extra, "--dtype", "float32",
+            "--max-model-len", "256", "--max-num-seqs", "8", "--max-logprobs", str(vocab_size),
+            "--kv-cache-memory-bytes", str(32 * 2**20), "--served-model-name", "tiny",
+            env={"SKIP_JAX_PRECOMPILE": "1"}, log=self.log_dir / f"serve-{preset}.log").launch()
+
+    def prefetch(self, index: int) -> None:
+        """Launches this case's server and the next selected one's."""
+        self.launch(index)
+        later = [i for i in self.selected if i > index]
+        if later:
+            self.launch(later[0])
+
+    def server(self, index: int):
+        self.prefetch(index)
+        return self.servers[index].start()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def served(request, tmp_path_factory):
+    """Launches the first selected server before this module's first test, so
+    that its start-up overlaps the model-level tests."""
+    selected = sorted(item.callspec.params["index"] for item in request.session.items
+                      if item.name.startswith("test_preset_served_by_vllm"))
+    directories = {"qwen3": DEMO}
+    if any(SERVED[i][1] == "gemma3" for i in selected):
+        directories["gemma3"] = request.getfixturevalue("gemma3")
+    queue = ServerQueue(selected, directories, tmp_path_factory.mktemp("serve-logs"))
+    if selected:
+        queue.launch(selected[0])
+    yield queue
+    queue.stop()
+
+
+@pytest.fixture(scope="module")
+def expectations(gemma3):
+    """Per model, cached: sequences, prompts, and what unquantized transformers
+    predicts for them (log-probabilities at every position, greedy tokens)."""
+    cache = {}
+
+    def get(arch: str) -> dict:
+        if arch not in cache:
+            if arch == "qwen3":
+                from benchmarks.quant_quality import demo_sequences
+                directory = DEMO
+                prompts, sequences = demo_sequences(DEMO, 8)
+            else:
+                directory, sequences = gemma3, random_sequences(384)
+                prompts = [s[:24] for s in sequences]
+            reference = Reference(directory)
+            cache[arch] = {
+                "sequences": sequences, "prompts": prompts, "vocab_size": reference.vocab_size,
+                "log_probs": np.concatenate([log_softmax(reference.logits(s)[:-1])
+                                             for s in sequences]),
+                "greedy": [reference.greedy(p, GREEDY_TOKENS) for p in prompts]}
+        return cache[arch]
+
+    return get
+
+
+def served_log_probs(server, sequences, vocab_size) -> np.ndarray:
+    """Full-vocabulary next-token log-probabilities at every prompt position [P, V]."""
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(*[client.completions.create(
+            model="tiny", prompt=s, max_tokens=1, temperature=0,
+            extra_body={"prompt_logprobs": vocab_size}) for s in sequences])
+
+    rows = []
+    for reply in asyncio.run(run()):
+        for position in reply.choices[0].prompt_logprobs[1:]:
+            row = np.full(vocab_size, -np.inf)
+            for token, entry in position.items():
+                row[int(token)] = entry["logprob"]
+            rows.append(row)
+    return np.array(rows)
+
+
+def served_greedy(server, prompts, max_tokens) -> list[list[int]]:
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(*[client.completions.create(
+            model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True}) for p in prompts])
+
+    return [r.choices[0].token_ids for r in asyncio.run(run())]
+
+
+def prefix_agreement(a: list[int], b: list[int]) -> float:
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return same / len(a)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("index", range(len(SERVED)), ids=[p for p, _, _ in SERVED])
+def test_preset_served_by_vllm_within_bounds(index, served, expectations):
+    preset, arch, extra = SERVED[index]
+    served.prefetch(index)  # start-up overlaps the reference computation
+    expected = expectations(arch)
+    server = served.server(index)
+    try:
+        assert "Applying Qwix quantization" in server.output()
+        log_probs = served_log_probs(server, expected["sequences"], expected["vocab_size"])
+        greedy = served_greedy(server, expected["prompts"], GREEDY_TOKENS)
+    finally:
+        server.stop()
+    eps = math.hypot(EPS[preset], EPS["kv:fp8"] if "fp8" in extra else 0)
+    bound = bounds(eps)
+    assert_within(distances(expected["log_probs"], log_probs), bound,
+                  f"served {arch} {preset} {' '.join(extra)}")
+    agreement = np.mean([prefix_agreement(a, b) for a, b in zip(expected["greedy"], greedy)])
+    print(f"greedy prefix agreement {agreement:.3f} (bound {bound['greedy_prefix']:.3f})")
+    assert agreement >= bound["greedy_prefix"]
