@@ -21,7 +21,7 @@ Sequences: for the demo model (default), held-out requests in its chat format
 followed by their JSON answers (teacher forcing), the prompts alone for greedy
 decoding; `--prompts random` draws token ids instead (any model).
 
-    python -m benchmarks.quant_quality [MODEL] [--presets int8,fp8] [--num 32]
+    tpu-models bench quant [MODEL] [--presets int8,fp8,kv:fp8] [--num 32] [--dtype bfloat16]
 """
 
 import argparse
@@ -244,7 +244,8 @@ def print_table(rows: list[dict], title: str) -> None:
 
 def main(argv=None) -> list[dict]:
     import os
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tpu-models bench quant",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded demo)")
     parser.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
                         help="comma-separated presets, rules files, or kv:DTYPE (the KV cache "
@@ -259,8 +260,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", default="bench-quant.json")
     args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from server.serve import DEFAULT_MODEL
+    from server import portability
+    from server.serve import DEFAULT_MODEL, jax_platform
+    platform = jax_platform("auto", os.environ)  # as `tpu-models serve`: a TPU, else the CPU
+    if platform is not None:
+        os.environ["JAX_PLATFORMS"] = platform
+        for key, value in portability.TPU_IDENTITY.items():
+            os.environ.setdefault(key, value)
+    os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
     model = args.model or str(DEFAULT_MODEL)
     rows = evaluate(model, [p for p in args.presets.split(",") if p], prompts=args.prompts,
                     num=args.num, length=args.length, greedy_tokens=args.greedy_tokens,

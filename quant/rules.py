@@ -148,8 +148,10 @@ def _check_rule(rule, where: str) -> None:
                          f"got {ops!r}")
     if "act_static_scale" in rule and not isinstance(rule["act_static_scale"], (bool, type(None))):
         raise RulesError(f"{where}.act_static_scale: expected true/false")
-    if rule.get("act_static_scale") and rule.get("act_qtype") is None:
-        raise RulesError(f"{where}.act_static_scale: needs act_qtype")
+    if rule.get("act_static_scale"):
+        raise RulesError(f"{where}.act_static_scale: not supported: tpu-inference calibrates "
+                         "while tracing the model on random token ids, so static activation "
+                         "scales would be fitted to noise; leave it unset (dynamic scales)")
     axes = rule.get("act_batch_axes", [0])
     if not isinstance(axes, (list, tuple)) or not all(
             isinstance(a, int) and not isinstance(a, bool) for a in axes):

@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     step = sub.add_parser("step", help="decode-step time of a 0.5B-class model vs the host's "
                                        "memory bandwidth (model level)")
     step.add_argument("args", nargs=argparse.REMAINDER, help="see python -m benchmarks.step -h")
+
+    quant = sub.add_parser("quant", help="quality (top-1, KL, greedy), weight bytes and decode "
+                                         "speed of each quantization preset (model level)")
+    quant.add_argument("args", nargs=argparse.REMAINDER,
+                       help="see python -m benchmarks.quant_quality -h")
     return p
 
 
@@ -101,6 +106,10 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["step"]:  # its options are the benchmark's own
         from benchmarks.step import main as step_main
         step_main(argv[1:])
+        return
+    if argv[:1] == ["quant"]:
+        from benchmarks.quant_quality import main as quant_main
+        quant_main(argv[1:])
         return
     args = parser().parse_args(argv)
     if args.kind == "serve":

@@ -10,7 +10,7 @@ commands:
   export   convert checkpoints to HF safetensors (maxtext, tunix, lora-merge, gemma3-text)
   inspect  print a checkpoint's format, layout and tensors (HF, MaxText, Tunix, PEFT)
   bench    benchmarks: serve (vLLM's metrics), compare (vs built-in Qwen3 and transformers),
-           step (decode step vs memory bandwidth)
+           step (decode step vs memory bandwidth), quant (quality and size per quantization preset)
 """
 
 

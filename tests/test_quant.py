@@ -144,6 +144,8 @@ BAD_RULES = {
                               "rules[1].weight_calibration_method", "rms takes 1..1"),
     "op name": ({**GOOD_RULE, "op_names": ["matmul"]}, "rules[1].op_names", "einsum"),
     "missing path": ({"weight_qtype": "int8"}, "rules[1].module_path", "missing"),
+    "static scale": ({**GOOD_RULE, "act_qtype": "int8", "act_static_scale": True},
+                     "rules[1].act_static_scale", "random token ids"),
 }
 
 
