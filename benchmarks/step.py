@@ -89,7 +89,10 @@ def main(argv=None) -> dict:
                         help="array size for the bandwidth measurement")
     parser.add_argument("--out", default="bench-step.json")
     args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from server import portability, serve
+    if not serve.has_tpu():  # this host's CPU, never the cloud metadata server
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        portability.set_tpu_identity()
 
     import jax
     import jax.numpy as jnp

@@ -9,6 +9,7 @@ output lengths, ignore_eos, one concurrency) runs ours, vLLM's, and ours again
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,13 @@ from pathlib import Path
 METRICS = [("output_throughput", "output_throughput"), ("request_throughput", "request_throughput"),
            ("median_ttft_ms", "median_ttft_ms"), ("median_tpot_ms", "median_tpot_ms"),
            ("median_itl_ms", "median_itl_ms"), ("median_e2el_ms", "median_e2el_ms")]
+
+
+def client_env() -> dict:
+    """vLLM's CLI imports the platform too: keep tpu-inference off the cloud metadata server."""
+    from server.portability import TPU_IDENTITY
+    return {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS") or "cpu",
+            **TPU_IDENTITY, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 def main(argv=None) -> dict:
@@ -49,7 +57,7 @@ def main(argv=None) -> dict:
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--save-result", "--result-dir", str(work), "--result-filename", result_file.name],
-            check=True, cwd=work)
+            check=True, cwd=work, env=client_env())
         vllm = json.loads(result_file.read_text())
         ours.append(serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
                                   avoid_tokens={0, 1}, seed=1, **common)[0])

@@ -40,7 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         except CheckpointError as e:
             sys.exit(f"tpu-models inspect: {e}")
     elif command == "bench":
-        from server import bench
+        from server import bench, portability, serve
+        if not serve.has_tpu():
+            # `bench step` and `bench quant` run tpu-inference in this process: on
+            # this host's CPU, and never asking the cloud metadata server.
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+            portability.set_tpu_identity()
         bench.main(rest)
     else:
         sys.exit(f"tpu-models: unknown command {command!r}\n{USAGE}")
