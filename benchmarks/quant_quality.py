@@ -11,8 +11,9 @@ compared with the unquantized model on the same sequences:
   generated tokens before the first divergence, and of prompts identical to
   the end;
 - weight bytes: every array of the model state (quantized values + scales);
-- decode tokens/s: one decode step for `--batch` sequences, median of
-  `--repeats`, relative to the unquantized model.
+- decode tokens/s: one decode step (forward + logits) for `--batch`
+  sequences, median of `--repeats`, relative to the unquantized model; the
+  models take turns step by step, so a drifting host load slows all alike.
 
 `kv:fp8` in `--presets` measures an fp8 KV cache (`--kv-cache-dtype fp8`)
 with unquantized weights the same way.
@@ -26,6 +27,7 @@ decoding; `--prompts random` draws token ids instead (any model).
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -147,8 +149,9 @@ def weight_bytes(stepper) -> int:
     return int(sum(x.size * bits(x.dtype) // 8 for x in stepper.interface.state_leaves))
 
 
-def decode_tokens_per_s(stepper, batch: int, context: int, repeats: int) -> float:
-    """Tokens/s of one decode step (forward + logits) for `batch` sequences."""
+def decode_step_fn(stepper, batch: int, context: int):
+    """A function running one decode step (forward + logits) for `batch`
+    sequences of `context` tokens, warmed up."""
     import jax
 
     reset(stepper)
@@ -164,12 +167,20 @@ def decode_tokens_per_s(stepper, batch: int, context: int, repeats: int) -> floa
 
     for _ in range(3):
         decode_step()
-    times = []
+    return decode_step
+
+
+def decode_tokens_per_s(steppers: list, batch: int, context: int, repeats: int) -> list[float]:
+    """Decode tokens/s of each stepper. The models take turns step by step, so
+    that a host whose load drifts (other processes) slows them all alike."""
+    steps = [decode_step_fn(s, batch, context) for s in steppers]
+    times = [[] for _ in steps]
     for _ in range(repeats):
-        start = time.perf_counter()
-        decode_step()
-        times.append(time.perf_counter() - start)
-    return batch / statistics.median(times)
+        for fn, spent in zip(steps, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [batch / statistics.median(t) for t in times]
 
 
 def demo_sequences(model_dir, num: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -197,29 +208,46 @@ def random_sequences(vocab_size: int, num: int, length: int, seed: int = 0):
 
 def evaluate(model_dir, presets, *, prompts: str = "demo", num: int = 32, length: int = 64,
              greedy_tokens: int = 24, batch: int = 8, context: int = 64, repeats: int = 20,
-             dtype: str = "float32") -> list[dict]:
-    """One row per preset (the first, `None`, is the unquantized model)."""
-    stepper_args = dict(dtype=dtype, max_seqs=max(8, batch), pages_per_seq=24)
+             dtype: str = "float32", speed_only: bool = False) -> list[dict]:
+    """One row per preset (the first, `None`, is the unquantized model).
+
+    speed_only: random weights (tpu-inference's dummy loader), weight bytes and
+    decode tokens/s only, for shapes no checkpoint here has."""
+    stepper_args = dict(dtype=dtype, max_seqs=max(8, batch),
+                        pages_per_seq=-(-(context + 8) // 16) if speed_only else 24)
+    if speed_only:
+        stepper_args["load_format"] = "dummy"
     base = build(model_dir, None, **stepper_args)
     vocab_size = base.vllm_config.model_config.hf_config.vocab_size
-    if prompts == "demo":
+    if speed_only:
+        prompt_ids = sequences = []
+    elif prompts == "demo":
         prompt_ids, sequences = demo_sequences(model_dir, num)
     else:
         prompt_ids, sequences = random_sequences(vocab_size, num, length)
 
-    def measure(stepper) -> tuple[list, list, dict]:
-        return (logits_of(stepper, sequences), greedy(stepper, prompt_ids, greedy_tokens),
-                {"weight_bytes": weight_bytes(stepper),
-                 "decode_tok_s": decode_tokens_per_s(stepper, batch, context, repeats)})
+    def quality(stepper) -> tuple[list, list]:
+        if speed_only:
+            return [np.zeros((1, vocab_size))], [[0]]
+        return logits_of(stepper, sequences), greedy(stepper, prompt_ids, greedy_tokens)
 
-    base_logits, base_greedy, base_cost = measure(base)
+    base_logits, base_greedy = quality(base)
     rows = [{"preset": "none", **compare_logits(base_logits, base_logits, vocab_size),
-             **compare_greedy(base_greedy, base_greedy), **base_cost}]
-    del base
+             **compare_greedy(base_greedy, base_greedy), "weight_bytes": weight_bytes(base)}]
+    steppers = [base]
     for preset in presets:
-        q_logits, q_greedy, cost = measure(build(model_dir, preset, **stepper_args))
+        steppers.append(build(model_dir, preset, **stepper_args))
+        q_logits, q_greedy = quality(steppers[-1])
         rows.append({"preset": preset, **compare_logits(base_logits, q_logits, vocab_size),
-                     **compare_greedy(base_greedy, q_greedy), **cost})
+                     **compare_greedy(base_greedy, q_greedy),
+                     "weight_bytes": weight_bytes(steppers[-1])})
+    for row, speed in zip(rows, decode_tokens_per_s(steppers, batch, context, repeats)):
+        row["decode_tok_s"] = speed
+    if speed_only:  # random weights: no quality to speak of
+        for row in rows:
+            for key in ("positions", "top1_agreement", "mean_kl", "max_kl",
+                        "greedy_prefix_agreement", "greedy_exact"):
+                row.pop(key)
     for row in rows:
         row["weight_ratio"] = row["weight_bytes"] / rows[0]["weight_bytes"]
         row["decode_speed_ratio"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
@@ -234,6 +262,9 @@ def print_table(rows: list[dict], title: str) -> None:
                    "weight MiB", "vs fp", "decode tok/s", "vs fp"):
         table.add_column(column, justify="right")
     for r in rows:
+        if "top1_agreement" not in r:
+            r = {**r, "top1_agreement": math.nan, "mean_kl": math.nan, "max_kl": math.nan,
+                 "greedy_prefix_agreement": math.nan, "greedy_exact": math.nan}
         table.add_row(r["preset"], f"{r['top1_agreement']:.2%}", f"{r['mean_kl']:.2e}",
                       f"{r['max_kl']:.2e}", f"{r['greedy_prefix_agreement']:.1%}",
                       f"{r['greedy_exact']:.1%}", f"{r['weight_bytes'] / 2**20:.2f}",
@@ -258,6 +289,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--context", type=int, default=64, help="decode context for tokens/s")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--speed-shape", metavar="LAYERS", type=int,
+                        help="instead of MODEL: a Qwen3-0.6B-shaped Qwen3-structural with this "
+                             "many layers and random weights; weight bytes and decode speed only")
+    parser.add_argument("--speed-vocab", type=int, default=151936,
+                        help="vocabulary of --speed-shape (Qwen3's by default; smaller keeps "
+                             "the tied embedding from dominating the weights)")
     parser.add_argument("--out", default="bench-quant.json")
     args = parser.parse_args(argv)
     from server import portability
@@ -269,10 +306,17 @@ def main(argv=None) -> list[dict]:
             os.environ.setdefault(key, value)
     os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
     model = args.model or str(DEFAULT_MODEL)
+    if args.speed_shape:
+        import tempfile
+
+        from benchmarks.step import CONFIG_0_5B, make_model_dir
+        model = str(make_model_dir({**CONFIG_0_5B, "num_hidden_layers": args.speed_shape,
+                                    "vocab_size": args.speed_vocab},
+                                   Path(tempfile.mkdtemp(prefix="bench-quant-"))))
     rows = evaluate(model, [p for p in args.presets.split(",") if p], prompts=args.prompts,
                     num=args.num, length=args.length, greedy_tokens=args.greedy_tokens,
                     batch=args.batch, context=args.context, repeats=args.repeats,
-                    dtype=args.dtype)
+                    dtype=args.dtype, speed_only=bool(args.speed_shape))
     print_table(rows, f"quantization presets vs unquantized ({args.dtype}), {model}")
     document = {"benchmark": "quant_quality", "model": model, "dtype": args.dtype,
                 "prompts": args.prompts, "rows": rows}
