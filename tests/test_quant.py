@@ -332,12 +332,16 @@ def test_int4_and_fp8_kv_cache_on_the_demo_within_bounds(demo_model):
     assert_within(measured, bounds(EPS["kv:fp8"]), "demo fp8 KV cache")
 
 
-def test_prequantized_fp8_checkpoint_loads_through_tpu_inference_methods(demo_model, tmp_path):
-    checkpoint = write_fp8_checkpoint(DEMO, tmp_path / "fp8")
-    stepper, measured = demo_model.quantized(None, checkpoint)
-    assert_within(measured, bounds(EPS["fp8"]), "demo compressed-tensors FP8 checkpoint")
-    L = json.loads((DEMO / "config.json").read_text())["num_hidden_layers"]
-    assert sum(str(x.dtype) == "float8_e4m3fn" for x in stepper.interface.state_leaves) == 7 * L
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_prequantized_fp8_checkpoint_loads_through_tpu_inference_methods(arch, request,
+                                                                         tmp_path):
+    model = request.getfixturevalue("demo_model" if arch == "qwen3" else "gemma3_model")
+    checkpoint = write_fp8_checkpoint(Path(model.directory), tmp_path / "fp8")
+    stepper, measured = model.quantized(None, checkpoint)
+    assert_within(measured, bounds(EPS["fp8"]), f"{arch} compressed-tensors FP8 checkpoint")
+    layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+    assert sum(str(x.dtype) == "float8_e4m3fn"
+               for x in stepper.interface.state_leaves) == 7 * layers
 
 
 @pytest.mark.parametrize("change, why", [
