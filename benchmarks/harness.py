@@ -58,12 +58,18 @@ class Stepper:
         self.free_pages = list(np.random.default_rng(seed).permutation(num_pages - 1) + 1)
         self.requests: dict[str, dict] = {}
 
+    def reset(self) -> None:
+        """Forgets every request and frees their pages."""
+        self.requests.clear()
+        self.free_pages = list(range(1, self.max_seqs * self.pages_per_seq + 1))
+
     def step(self, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
         """Feeds each request its next tokens in one batch; returns their logits [len, V]."""
         fns = self.interface
-        self.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, self.kv_caches,
-                                                  *self.prepare(chunks))
-        logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
+        with jax.set_mesh(self.mesh):  # as the runner: quantized matmuls shard by it
+            self.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, self.kv_caches,
+                                                      *self.prepare(chunks))
+            logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
         out, row = {}, 0
         for name, tokens in chunks.items():
             out[name] = logits[row:row + len(tokens)]
@@ -85,7 +91,8 @@ class Stepper:
             cu.append(len(ids))
             seq_lens.append(len(req["tokens"]))
             tables.append(req["pages"] + [0] * (self.pages_per_seq - len(req["pages"])))
-        num_tokens = -(-len(ids) // 16) * 16  # the runner pads tokens to buckets
+        # The runner pads tokens to power-of-two buckets: a few compiled shapes serve all.
+        num_tokens = max(16, 1 << (len(ids) - 1).bit_length())
         pad = num_tokens - len(ids)
         num_reqs = len(chunks)
         decodes = sum(1 for t in chunks.values() if len(t) == 1)

@@ -50,43 +50,13 @@ def build(model_dir, quant: str | None = None, **stepper_args):
     return Stepper(model_dir, **stepper_args)
 
 
-def reset(stepper) -> None:
-    """Forgets every request and frees their pages."""
-    stepper.requests.clear()
-    stepper.free_pages = list(range(1, stepper.max_seqs * stepper.pages_per_seq + 1))
-
-
-def step(stepper, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
-    """Stepper.step, with the token count padded to a power of two as the
-    runner buckets it: a handful of compiled shapes serve every batch."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
-    ids, md, *rest = stepper.prepare(chunks)
-    pad = max(16, 1 << (ids.shape[0] - 1).bit_length()) - ids.shape[0]
-    ids = jnp.pad(ids, (0, pad))
-    md = dataclasses.replace(md, input_positions=jnp.pad(md.input_positions, (0, pad)))
-    fns = stepper.interface
-    with jax.set_mesh(stepper.mesh):  # as the runner: quantized matmuls shard by it
-        stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches, ids, md,
-                                                     *rest)
-        logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
-    out, row = {}, 0
-    for name, tokens in chunks.items():
-        out[name] = logits[row:row + len(tokens)]
-        row += len(tokens)
-    return out
-
-
 def logits_of(stepper, sequences: list[list[int]]) -> list[np.ndarray]:
     """Next-token logits [len, V] at every position, one prefill per sequence."""
     out = []
     for start in range(0, len(sequences), stepper.max_seqs):
-        reset(stepper)
+        stepper.reset()
         batch = {f"s{i}": s for i, s in enumerate(sequences[start:start + stepper.max_seqs])}
-        got = step(stepper, batch)
+        got = stepper.step(batch)
         out += [got[name] for name in batch]
     return out
 
@@ -95,12 +65,12 @@ def greedy(stepper, prompts: list[list[int]], max_tokens: int) -> list[list[int]
     """Greedy continuations, all prompts of a batch decoded together."""
     out = []
     for start in range(0, len(prompts), stepper.max_seqs):
-        reset(stepper)
+        stepper.reset()
         chunk = {f"p{i}": p for i, p in enumerate(prompts[start:start + stepper.max_seqs])}
         tokens = {n: [] for n in chunk}
         feed = chunk
         for _ in range(max_tokens):
-            logits = step(stepper, feed)
+            logits = stepper.step(feed)
             feed = {}
             for name, rows in logits.items():
                 tokens[name].append(int(rows[-1].argmax()))
@@ -154,8 +124,8 @@ def decode_step_fn(stepper, batch: int, context: int):
     sequences of `context` tokens, warmed up."""
     import jax
 
-    reset(stepper)
-    step(stepper, {f"d{i}": [1 + i] * context for i in range(batch)})
+    stepper.reset()
+    stepper.step({f"d{i}": [1 + i] * context for i in range(batch)})
     fns = stepper.interface
     args = stepper.prepare({f"d{i}": [1] for i in range(batch)})
 

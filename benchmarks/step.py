@@ -122,8 +122,7 @@ def main(argv=None) -> dict:
     for batch in batches:
         for context in (args.context, 1):
             # Fill the cache with `context` tokens per sequence (one prefill step).
-            stepper.requests.clear()
-            stepper.free_pages = list(range(1, stepper.max_seqs * pages_per_seq + 1))
+            stepper.reset()
             stepper.step({f"r{i}": [1] * context for i in range(batch)})
             decode = {f"r{i}": [1] for i in range(batch)}
             md_step = stepper.prepare(decode)
