@@ -92,7 +92,8 @@ class Stepper:
             seq_lens.append(len(req["tokens"]))
             tables.append(req["pages"] + [0] * (self.pages_per_seq - len(req["pages"])))
         # The runner pads tokens to power-of-two buckets: a few compiled shapes serve all.
-        num_tokens = max(16, 1 << (len(ids) - 1).bit_length())
+        from tpu_inference import envs
+        num_tokens = max(envs.MIN_TOKEN_BUCKET, 1 << (len(ids) - 1).bit_length())
         pad = num_tokens - len(ids)
         num_reqs = len(chunks)
         decodes = sum(1 for t in chunks.values() if len(t) == 1)

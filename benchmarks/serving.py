@@ -8,8 +8,8 @@ Metrics follow `vllm bench serve` (vllm/benchmarks/serve.py):
 - throughputs: completed requests, output tokens and input+output tokens per
   second of the whole run's duration.
 Prompts are random token ids of exactly `input_len` tokens; every request
-generates exactly `output_len` tokens (ignore_eos), and the server's usage
-counts are checked against both.
+generates exactly `output_len` tokens (ignore_eos, greedy: `vllm bench serve
+--temperature 0`), and the server's usage counts are checked against both.
 """
 
 import asyncio

@@ -92,10 +92,12 @@ def main(argv=None) -> dict:
     from server import portability, serve
     if not serve.has_tpu():  # this host's CPU, never the cloud metadata server
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        portability.set_tpu_identity()
+    portability.install()  # as the engine would: TPU identity, token buckets (off-TPU only)
 
     import jax
     import jax.numpy as jnp
+
+    from tpu_inference.runner.utils import get_padded_num_reqs_with_upper_limit
 
     from benchmarks.harness import Stepper  # the runner-like harness the parity tests use
 
@@ -126,16 +128,19 @@ def main(argv=None) -> dict:
             stepper.step({f"r{i}": [1] * context for i in range(batch)})
             decode = {f"r{i}": [1] for i in range(batch)}
             md_step = stepper.prepare(decode)
+            # As the runner: logits for each request's last row, padded to its request bucket.
+            logit_rows = jnp.minimum(
+                jnp.arange(get_padded_num_reqs_with_upper_limit(batch, max(batches))), batch - 1)
 
             def step():
                 stepper.kv_caches, hidden, *_ = fns.model_fn(
                     fns.state_leaves, stepper.kv_caches, *md_step)
-                fns.compute_logits_fn(fns.state_leaves, hidden).block_until_ready()
+                fns.compute_logits_fn(fns.state_leaves, hidden[logit_rows]).block_until_ready()
 
             seconds = timed(step, args.repeats)
             stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches,
                                                          *md_step)
-            logits_s = timed(lambda: fns.compute_logits_fn(fns.state_leaves, hidden)
+            logits_s = timed(lambda: fns.compute_logits_fn(fns.state_leaves, hidden[logit_rows])
                              .block_until_ready(), args.repeats)
             kv = stepper.kv_caches[0]
             per_token = kv.nbytes / (kv.shape[0] * kv.shape[1])  # one layer, all heads, padded

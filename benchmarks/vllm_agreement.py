@@ -1,7 +1,7 @@
 """Does `tpu-models bench serve` measure what `vllm bench serve` measures?
 
 Starts one server, then on the same workload (random prompts, fixed input and
-output lengths, ignore_eos, one concurrency) runs ours, vLLM's, and ours again
+output lengths, ignore_eos, greedy, one concurrency) runs ours, vLLM's, and ours again
 (bracketing vLLM's, so drift shows), and prints each metric's ratio.
 
     python -m benchmarks.vllm_agreement [--concurrency 4] [--num-prompts 64]
@@ -62,6 +62,9 @@ def main(argv=None) -> dict:
             "--model", "bench", "--tokenizer", str(model), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+            # Greedy, as ours: vLLM's bench no longer defaults to temperature 0, and
+            # random sampling costs the server more per step than an argmax.
+            "--temperature", "0",
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-detailed",
             "--save-result", "--result-dir", str(work), "--result-filename", result_file.name],
             check=True, cwd=work, env=client_env())

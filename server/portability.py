@@ -14,6 +14,10 @@ worse, lets it run and return wrong tokens (5):
 5. host->device transfers copy: the runner refills its host buffers while the
    previous step may still run, which on CPU (zero-copy) it would read.
 
+It also lowers the smallest token bucket from 16 to 1 (tpu-inference's
+MIN_TOKEN_BUCKET, unless set): a TPU computes a 16-row step for the price of
+one, a CPU computes every padded row, so a lone decode paid 16x its matmuls.
+
 `install()`, a vllm.general_plugins entry point, adapts exactly these, and only
 when JAX is told to run elsewhere (JAX_PLATFORMS without "tpu"): on a TPU host
 it does nothing. tpu-inference offers an extension point for attention only
@@ -65,6 +69,7 @@ def install() -> None:
             f"tpu-models' host portability layer was written for tpu-inference {SUPPORTED}, "
             f"found {version}; install tpu-inference=={SUPPORTED} or run on a TPU host.")
     set_tpu_identity()
+    os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
     _mesh_without_coords()
     _memory_from_host(platform)
     _no_tpu_compiler_options()

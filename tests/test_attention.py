@@ -114,7 +114,7 @@ def test_matches_dense_reference(case, heads, window, soft_cap):
     # Small blocks so every case crosses query-block, key-block and page boundaries.
     fn = jax.jit(lambda **kw: ragged_paged_attention(
         **kw, sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
-        q_block=16, kv_block=16, decode_block=3))
+        q_block=16, kv_block=16, decode_block=3, decode_kv_block=16))
     out, _ = fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
     out = np.asarray(out)
     for rows, q_r, k_all, v_all, context in per_request:

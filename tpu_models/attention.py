@@ -99,7 +99,8 @@ def ragged_paged_attention(
     update_kv_cache: bool = True,
     q_block: int = 64,
     kv_block: int = 256,
-    decode_block: int = 8,
+    decode_block: int = 4,
+    decode_kv_block: int = 128,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out [T, N, H] in q.dtype, updated kv_cache)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -128,15 +129,13 @@ def ragged_paged_attention(
 
     pages_per_block = max(1, kv_block // page_size)
     key_block = pages_per_block * page_size
-    page_offsets = jnp.arange(pages_per_block)
     key_offsets = jnp.arange(key_block)
 
-    def gather_keys(seq_rows, block_idx):
-        """Pages of key block `block_idx` for each request in seq_rows -> k, v [..., S*B, K, H]."""
-        cols = jnp.clip(block_idx * pages_per_block + page_offsets, 0,
-                        pages_per_seq - 1)
+    def gather_keys(seq_rows, block_idx, pages=pages_per_block):
+        """Key block `block_idx` (`pages` pages) of each request in seq_rows -> k, v [..., S*B, K, H]."""
+        cols = jnp.clip(block_idx * pages + jnp.arange(pages), 0, pages_per_seq - 1)
         rows = kv_cache[block_tables[seq_rows][..., cols]]  # [..., B, S, slots, packing, Hp]
-        rows = rows.reshape(*rows.shape[:-5], key_block, *rows.shape[-3:])
+        rows = rows.reshape(*rows.shape[:-5], pages * page_size, *rows.shape[-3:])
         return _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale)
 
     def scores_of(qb, keys, spec):
@@ -148,6 +147,13 @@ def ragged_paged_attention(
     out = jnp.zeros((num_tokens + q_block, num_heads, head_dim), q.dtype)
 
     # --- decode: one query per request, `decode_block` requests at a time ---
+    # A decode reads far more keys than it computes on, so scores and values are
+    # multiply-reduces over the gathered rows in the cache's own [keys, K, H]
+    # order: they fuse into loops that stream the keys once, where per-head
+    # batched dots would first transpose every block.
+    decode_block = min(decode_block, num_tokens)
+    decode_pages = max(1, decode_kv_block // page_size)
+    decode_keys = decode_pages * page_size
     is_decode = q_lens == 1
     decode_ids = jnp.nonzero(is_decode, size=max_seqs, fill_value=max_seqs)[0]
     decode_ids = jnp.pad(decode_ids, (0, decode_block), constant_values=max_seqs)
@@ -159,22 +165,28 @@ def ragged_paged_attention(
         rows = cu_q_lens[ids]
         hi = jnp.where(valid, seq_lens[ids], 0)  # keys [lo, hi)
         lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
-        qb = q[rows].reshape(decode_block, kv_heads, group, head_dim).astype(jnp.float32)
+        qb = q[rows].reshape(decode_block, 1, kv_heads, group, head_dim).astype(jnp.float32)
 
         def key_step(c, carry):
-            keys, values = gather_keys(ids, c)  # [D, S*B, K, H]
-            s = scores_of(qb, keys, "dkgh,dskh->dkgs")
-            pos = c * key_block + key_offsets
-            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
-            return _online_softmax_step(
-                carry, s, values, mask,
-                lambda p, vals: jnp.einsum("dkgs,dskh->dkgh", p, vals))
+            keys, values = gather_keys(ids, c, decode_pages)  # [D, S*B, K, H]
+            s = (keys[:, :, :, None, :] * qb).sum(-1) * sm_scale  # [D, S*B, K, G]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            pos = c * decode_keys + jnp.arange(decode_keys)
+            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, :, None, None]
+            m, l, acc = carry  # [D, K, G], [D, K, G], [D, K, G, H]
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [D, S*B, K, G]
+            correction = jnp.exp(m - m_new)
+            pv = (p[..., None] * values[:, :, :, None, :]).sum(1)  # [D, K, G, H]
+            return m_new, l * correction + p.sum(axis=1), acc * correction[..., None] + pv
 
         init = (jnp.full((decode_block, kv_heads, group), _MASKED, jnp.float32),
                 jnp.zeros((decode_block, kv_heads, group), jnp.float32),
                 jnp.zeros((decode_block, kv_heads, group, head_dim), jnp.float32))
-        first = jnp.where(valid, lo, jnp.iinfo(jnp.int32).max).min() // key_block
-        last = -(-hi.max() // key_block)
+        first = jnp.where(valid, lo, jnp.iinfo(jnp.int32).max).min() // decode_keys
+        last = -(-hi.max() // decode_keys)
         _, l, acc = lax.fori_loop(jnp.minimum(first, last), last, key_step, init)
         o = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(decode_block, num_heads, head_dim)
         return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")

@@ -33,7 +33,7 @@ from vllm.config import VllmConfig
 
 from loaders.tables import gemma3_table
 from tpu_models import runtime
-from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded
+from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -181,7 +181,7 @@ class Gemma3ForCausalLM(JaxModule, LoadableWithIterator):
         return kv_caches, hidden, [], None  # no auxiliary hidden states or expert ids
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        logits = self.model.embed_tokens.decode(hidden)  # [T, V], tied
+        logits = tied_logits(self.model.embed_tokens, hidden)  # [T, V]
         if cap := self.cfg.final_logit_softcapping:
             logits = cap * jnp.tanh(logits / cap)
         return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)

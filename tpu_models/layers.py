@@ -116,6 +116,22 @@ class Rope:
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# --- tied vocab projection ---------------------------------------------------
+
+
+def tied_logits(embed, x: jax.Array) -> jax.Array:
+    """x [T, D] against the tied embedding table [V, D] -> logits [T, V]."""
+    table = embed.weight.value
+    if jax.default_backend() == "cpu" and isinstance(table, jax.Array):
+        # XLA:CPU runs a dot with a few rows on one thread after packing the whole
+        # table; a multiply-reduce fuses into one loop that streams the table once
+        # over every core (2-3x faster at a decode step's 1-16 rows; with the table
+        # as the first operand: the other order measured 2x slower).
+        out = (table.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None, :]).sum(-1)
+        return out.astype(jnp.result_type(x, table))
+    return embed.decode(x)  # quantized tables (Qwix) and accelerators: the engine's dot
+
+
 # --- MLP -------------------------------------------------------------------------
 
 
@@ -197,7 +213,9 @@ class Attention(JaxModule):
         self.q_proj = proj("q_proj", "TD,DNH->TNH", (D, N, H), (None, heads, None), (N, H), (heads, None))
         self.k_proj = proj("k_proj", "TD,DKH->TKH", (D, K, H), (None, kv_heads, None), (K, H), (kv_heads, None))
         self.v_proj = proj("v_proj", "TD,DKH->TKH", (D, K, H), (None, kv_heads, None), (K, H), (kv_heads, None))
-        self.o_proj = proj("o_proj", "TNH,NHD->TD", (N, H, D), (heads, None, None), (D,), (None,))
+        # Heads are "A" here: jnp.einsum contracts its summed axes in alphabetical
+        # order, and (H, N) would make XLA:CPU transpose the whole kernel every step.
+        self.o_proj = proj("o_proj", "TAH,AHD->TD", (N, H, D), (heads, None, None), (D,), (None,))
         if qk_norm is not None:
             self.q_norm = qk_norm(f"{prefix}.q_norm")
             self.k_norm = qk_norm(f"{prefix}.k_norm")

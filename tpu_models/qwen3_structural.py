@@ -29,7 +29,7 @@ from vllm.config import VllmConfig
 
 from loaders.tables import qwen3_table
 from tpu_models import runtime
-from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded
+from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ class Qwen3StructuralForCausalLM(JaxModule, LoadableWithIterator):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         x = jnp.tanh(self.structural_head(hidden))  # [T, D]
         if self.cfg.tie_word_embeddings:
-            logits = self.model.embed_tokens.decode(x)  # [T, V]
+            logits = tied_logits(self.model.embed_tokens, x)  # [T, V]
         else:
             logits = self.lm_head(x)  # [T, V]
         return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)
