@@ -1,16 +1,18 @@
 """Does `tpu-models bench serve` measure what `vllm bench serve` measures?
 
 Starts one server, then on the same workload (random prompts, fixed input and
-output lengths, ignore_eos, greedy, one concurrency) runs ours, vLLM's, and ours again
-(bracketing vLLM's, so drift shows), and prints each metric's ratio.
+output lengths, ignore_eos, greedy, one concurrency) alternates ours and vLLM's
+(ours first and last, so drift hits both alike), and prints the ratio of each
+metric's medians over the runs.
 
-    python -m benchmarks.vllm_agreement [--concurrency 4] [--num-prompts 64]
+    python -m benchmarks.vllm_agreement [--concurrency 4] [--repeats 2] [--num-prompts N]
 """
 
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,11 +34,15 @@ def client_env() -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="per run (default: 8 waves of --concurrency, at least 48)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="vLLM runs, each between two of ours (ours runs repeats + 1 times)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--out", default="bench-vllm-agreement.json")
     args = parser.parse_args(argv)
+    num_prompts = args.num_prompts or max(48, 8 * args.concurrency)
 
     from benchmarks import serving
     from benchmarks.compare import DEFAULT_SHAPE, make_pair
@@ -44,36 +50,43 @@ def main(argv=None) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="bench-agreement-"))
     model, _ = make_pair(work, DEFAULT_SHAPE)
-    common = dict(input_len=args.input_len, output_len=args.output_len,
-                  num_prompts=args.num_prompts, concurrencies=[args.concurrency])
+    result_file = work / "vllm.json"
+    vllm_command = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", "openai", "--endpoint", "/v1/completions",
+        "--model", "bench", "--tokenizer", str(model), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency),
+        # Greedy, as ours: vLLM's bench no longer defaults to temperature 0, and
+        # random sampling costs the server more per step than an argmax.
+        "--temperature", "0",
+        "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-detailed",
+        "--save-result", "--result-dir", str(work), "--result-filename", result_file.name]
+    ours, theirs = [], []
+    cpu = {"ours": 0.0, "vllm": 0.0}  # client CPU seconds: the client shares the host's cores
+
+    def run_ours(seed):
+        start = time.process_time()
+        ours.append(serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
+                                  avoid_tokens={0, 1}, seed=seed, input_len=args.input_len,
+                                  output_len=args.output_len, num_prompts=num_prompts,
+                                  concurrencies=[args.concurrency])[0])
+        cpu["ours"] += time.process_time() - start
+
     with Server(model, "--served-model-name", "bench", "--max-model-len",
                 str(args.input_len + args.output_len + 16), log=work / "serve.log") as server:
-        # Client CPU seconds per run: on a small host the client competes with the server.
-        cpu = {}
-        start = time.process_time()
-        ours = [serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
-                              avoid_tokens={0, 1}, seed=0, **common)[0]]
-        cpu["ours"] = time.process_time() - start
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        result_file = work / "vllm.json"
-        subprocess.run([
-            sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-            "--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
-            "--model", "bench", "--tokenizer", str(model), "--dataset-name", "random",
-            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-            # Greedy, as ours: vLLM's bench no longer defaults to temperature 0, and
-            # random sampling costs the server more per step than an argmax.
-            "--temperature", "0",
-            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-detailed",
-            "--save-result", "--result-dir", str(work), "--result-filename", result_file.name],
-            check=True, cwd=work, env=client_env())
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu["vllm"] = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
-        vllm = json.loads(result_file.read_text())
-        ours.append(serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
-                                  avoid_tokens={0, 1}, seed=1, **common)[0])
+        # Alternate, so that drift of a small shared host hits both sides alike.
+        for seed in range(args.repeats):
+            run_ours(seed)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run(vllm_command + ["--base-url", server.url, "--seed", str(seed)],
+                           check=True, cwd=work, env=client_env())
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu["vllm"] += (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            theirs.append(json.loads(result_file.read_text()))
+        run_ours(args.repeats)
     # The same definitions: our metrics() over vLLM's own per-request timings.
+    vllm = theirs[-1]
     replayed = serving.metrics([
         serving.Result(ok=not error, prompt_tokens=n_in, output_tokens=n_out, ttft=ttft,
                        latency=latency, itl=list(itl))
@@ -82,25 +95,29 @@ def main(argv=None) -> dict:
             vllm["itls"], vllm["errors"])], vllm["duration"])
     rows = []
     for ours_key, vllm_key in METRICS:
-        before, after, theirs = ours[0][ours_key], ours[1][ours_key], vllm[vllm_key]
-        rows.append({"metric": ours_key, "ours_before": before, "vllm": theirs, "ours_after": after,
-                     "ratio": (before + after) / 2 / theirs,
-                     "same_data_ratio": replayed[ours_key] / theirs})
+        mine = [run[ours_key] for run in ours]
+        other = [run[vllm_key] for run in theirs]
+        rows.append({"metric": ours_key, "ours": mine, "vllm": other,
+                     "ratio": statistics.median(mine) / statistics.median(other),
+                     "same_data_ratio": replayed[ours_key] / vllm[vllm_key]})
     from rich.console import Console
     from rich.table import Table
     table = Table(title=f"tpu-models bench serve vs vllm bench serve, concurrency "
-                        f"{args.concurrency}, {args.input_len} in / {args.output_len} out")
-    for column in ("metric", "ours (before)", "vllm bench serve", "ours (after)", "ours / vllm",
+                        f"{args.concurrency}, {num_prompts} x {args.input_len} in / "
+                        f"{args.output_len} out, medians of {len(ours)} and {len(theirs)} runs")
+    for column in ("metric", "ours (runs)", "vllm bench serve (runs)", "ours / vllm",
                    "ours on vLLM's timings / vllm"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r["metric"], f"{r['ours_before']:.2f}", f"{r['vllm']:.2f}",
-                      f"{r['ours_after']:.2f}", f"{r['ratio']:.3f}", f"{r['same_data_ratio']:.4f}")
-    Console(width=120).print(table)
+        table.add_row(r["metric"], " ".join(f"{v:.1f}" for v in r["ours"]),
+                      " ".join(f"{v:.1f}" for v in r["vllm"]), f"{r['ratio']:.3f}",
+                      f"{r['same_data_ratio']:.4f}")
+    Console(width=140).print(table)
     print(f"client CPU seconds: ours {cpu['ours']:.1f} (incl. warm-up), vllm bench serve "
           f"{cpu['vllm']:.1f} (incl. its start-up)")
-    document = {"benchmark": "vllm_agreement", "concurrency": args.concurrency, "rows": rows,
-                "client_cpu_s": cpu}
+    document = {"benchmark": "vllm_agreement", "concurrency": args.concurrency,
+                "num_prompts": num_prompts, "input_len": args.input_len,
+                "output_len": args.output_len, "rows": rows, "client_cpu_s": cpu}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     print(json.dumps({r["metric"]: round(r["ratio"], 4) for r in rows}))
     return document
