@@ -55,13 +55,14 @@ class Stepper:
         sharding = NamedSharding(self.mesh, P(None, None, "model", None, None))
         self.kv_caches = [jax.device_put(jnp.zeros(shape, cache_dtype), sharding)
                           for _ in range(self.num_layers)]
-        self.free_pages = list(np.random.default_rng(seed).permutation(num_pages - 1) + 1)
+        self.page_order = np.random.default_rng(seed).permutation(num_pages - 1) + 1  # 0: padding
         self.requests: dict[str, dict] = {}
+        self.reset()
 
     def reset(self) -> None:
         """Forgets every request and frees their pages."""
         self.requests.clear()
-        self.free_pages = list(range(1, self.max_seqs * self.pages_per_seq + 1))
+        self.free_pages = list(self.page_order)
 
     def step(self, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
         """Feeds each request its next tokens in one batch; returns their logits [len, V]."""

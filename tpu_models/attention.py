@@ -69,15 +69,16 @@ def _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale):
     return k, v
 
 
-def _online_softmax_step(carry, scores, values, mask, einsum_pv):
-    """One key block of flash attention; scores [..., Q, S], mask broadcastable."""
+def _online_softmax_step(carry, scores, values, mask, weigh_values, axis=-1):
+    """One key block of flash attention; scores hold the block's keys on `axis`,
+    mask broadcasts to them; weigh_values(p, values) sums p x values over the keys."""
     m, l, acc = carry
     scores = jnp.where(mask, scores, _MASKED)
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    m_new = jnp.maximum(m, scores.max(axis=axis))
+    p = jnp.where(mask, jnp.exp(scores - jnp.expand_dims(m_new, axis)), 0.0)
     correction = jnp.exp(m - m_new)
-    l = l * correction + p.sum(axis=-1)
-    acc = acc * correction[..., None] + einsum_pv(p, values)
+    l = l * correction + p.sum(axis=axis)
+    acc = acc * correction[..., None] + weigh_values(p, values)
     return m_new, l, acc
 
 
@@ -138,11 +139,12 @@ def ragged_paged_attention(
         rows = rows.reshape(*rows.shape[:-5], pages * page_size, *rows.shape[-3:])
         return _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale)
 
+    def scaled(s):
+        s = s * sm_scale
+        return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
     def scores_of(qb, keys, spec):
-        s = jnp.einsum(spec, qb, keys, preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        return s
+        return scaled(jnp.einsum(spec, qb, keys, preferred_element_type=jnp.float32))
 
     out = jnp.zeros((num_tokens + q_block, num_heads, head_dim), q.dtype)
 
@@ -169,18 +171,12 @@ def ragged_paged_attention(
 
         def key_step(c, carry):
             keys, values = gather_keys(ids, c, decode_pages)  # [D, S*B, K, H]
-            s = (keys[:, :, :, None, :] * qb).sum(-1) * sm_scale  # [D, S*B, K, G]
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = scaled((keys[:, :, :, None, :] * qb).sum(-1))  # [D, S*B, K, G]
             pos = c * decode_keys + jnp.arange(decode_keys)
             mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, :, None, None]
-            m, l, acc = carry  # [D, K, G], [D, K, G], [D, K, G, H]
-            s = jnp.where(mask, s, _MASKED)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [D, S*B, K, G]
-            correction = jnp.exp(m - m_new)
-            pv = (p[..., None] * values[:, :, :, None, :]).sum(1)  # [D, K, G, H]
-            return m_new, l * correction + p.sum(axis=1), acc * correction[..., None] + pv
+            return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
+                carry, s, values, mask,
+                lambda p, vals: (p[..., None] * vals[:, :, :, None, :]).sum(1), axis=1)
 
         init = (jnp.full((decode_block, kv_heads, group), _MASKED, jnp.float32),
                 jnp.zeros((decode_block, kv_heads, group), jnp.float32),
