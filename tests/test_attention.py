@@ -102,7 +102,7 @@ VARIANTS = [(case, None, None) for case in sorted(CASES)] + [
 @pytest.mark.parametrize("case,window,soft_cap", VARIANTS,
                          ids=[f"{c}-w{w}-cap{s}" for c, w, s in VARIANTS])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_matches_dense_reference(case, heads, window, soft_cap):
+def test_matches_dense_reference(case, heads, window, soft_cap, decode_block_bytes=4 << 20):
     rng = np.random.default_rng(0)
     num_heads, kv_heads = heads
     head_dim = 32
@@ -114,7 +114,8 @@ def test_matches_dense_reference(case, heads, window, soft_cap):
     # Small blocks so every case crosses query-block, key-block and page boundaries.
     fn = jax.jit(lambda **kw: ragged_paged_attention(
         **kw, sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
-        q_block=16, kv_block=16, decode_block=3, decode_kv_block=16))
+        q_block=16, kv_block=16, decode_block=3, decode_kv_block=16,
+        decode_block_bytes=decode_block_bytes))
     out, _ = fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
     out = np.asarray(out)
     for rows, q_r, k_all, v_all, context in per_request:
@@ -122,6 +123,12 @@ def test_matches_dense_reference(case, heads, window, soft_cap):
                                window=window, soft_cap=soft_cap)
         np.testing.assert_allclose(out[rows], want, atol=2e-5, rtol=2e-5)
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", ["decode_only", "mixed"])
+def test_decode_block_shrinks_to_the_byte_budget(case):
+    """A budget below one request's key block: decodes go one request at a time."""
+    test_matches_dense_reference(case, (8, 2), 7, 5.0, decode_block_bytes=1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

@@ -69,15 +69,15 @@ def _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale):
     return k, v
 
 
-def _online_softmax_step(carry, scores, values, mask, weigh_values, axis=-1):
-    """One key block of flash attention; scores hold the block's keys on `axis`,
-    mask broadcasts to them; weigh_values(p, values) sums p x values over the keys."""
+def _online_softmax_step(carry, scores, values, mask, weigh_values):
+    """One key block of flash attention; scores hold the block's keys on the last
+    axis, mask broadcasts to them; weigh_values(p, values) sums p x values over the keys."""
     m, l, acc = carry
     scores = jnp.where(mask, scores, _MASKED)
-    m_new = jnp.maximum(m, scores.max(axis=axis))
-    p = jnp.where(mask, jnp.exp(scores - jnp.expand_dims(m_new, axis)), 0.0)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
     correction = jnp.exp(m - m_new)
-    l = l * correction + p.sum(axis=axis)
+    l = l * correction + p.sum(axis=-1)
     acc = acc * correction[..., None] + weigh_values(p, values)
     return m_new, l, acc
 
@@ -100,8 +100,9 @@ def ragged_paged_attention(
     update_kv_cache: bool = True,
     q_block: int = 64,
     kv_block: int = 256,
-    decode_block: int = 4,
-    decode_kv_block: int = 128,
+    decode_block: int = 16,
+    decode_kv_block: int = 64,
+    decode_block_bytes: int = 4 << 20,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out [T, N, H] in q.dtype, updated kv_cache)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -148,17 +149,22 @@ def ragged_paged_attention(
 
     out = jnp.zeros((num_tokens + q_block, num_heads, head_dim), q.dtype)
 
-    # --- decode: one query per request, `decode_block` requests at a time ---
-    # A decode reads far more keys than it computes on, so scores and values are
-    # multiply-reduces over the gathered rows in the cache's own [keys, K, H]
-    # order: they fuse into loops that stream the keys once, where per-head
-    # batched dots would first transpose every block.
-    decode_block = min(decode_block, num_tokens)
+    # --- decode: one query per request, up to `decode_block` requests at a time ---
+    # A decode reads far more keys than it computes on: what costs is the copy
+    # the page gather makes. So a key block of a request block is kept within
+    # `decode_block_bytes` (past the host's cache, the copy and its re-reads
+    # slow down 2-4x), and is copied once, heads ahead of keys, so both products
+    # are batched matmuls over (request, kv head).
     decode_pages = max(1, decode_kv_block // page_size)
     decode_keys = decode_pages * page_size
+    key_bytes = kv_cache[0, 0].size * kv_cache.dtype.itemsize
+    decode_block = max(1, min(decode_block, num_tokens,
+                              decode_block_bytes // (decode_keys * key_bytes)))
     is_decode = q_lens == 1
     decode_ids = jnp.nonzero(is_decode, size=max_seqs, fill_value=max_seqs)[0]
     decode_ids = jnp.pad(decode_ids, (0, decode_block), constant_values=max_seqs)
+    heads_first = (((3, ), (3, )), ((0, 1), (0, 1)))  # [D, K, G, H] x [D, K, keys, H]
+    keys_summed = (((3, ), (2, )), ((0, 1), (0, 1)))  # [D, K, G, keys] x [D, K, keys, H]
 
     def decode_blocks(i, out):
         ids = lax.dynamic_slice(decode_ids, (i * decode_block, ), (decode_block, ))
@@ -167,16 +173,16 @@ def ragged_paged_attention(
         rows = cu_q_lens[ids]
         hi = jnp.where(valid, seq_lens[ids], 0)  # keys [lo, hi)
         lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
-        qb = q[rows].reshape(decode_block, 1, kv_heads, group, head_dim).astype(jnp.float32)
+        qb = q[rows].reshape(decode_block, kv_heads, group, head_dim).astype(jnp.float32)
 
         def key_step(c, carry):
             keys, values = gather_keys(ids, c, decode_pages)  # [D, S*B, K, H]
-            s = scaled((keys[:, :, :, None, :] * qb).sum(-1))  # [D, S*B, K, G]
+            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+            s = scaled(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
             pos = c * decode_keys + jnp.arange(decode_keys)
-            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, :, None, None]
+            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
             return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
-                carry, s, values, mask,
-                lambda p, vals: (p[..., None] * vals[:, :, :, None, :]).sum(1), axis=1)
+                carry, s, values, mask, lambda p, vals: lax.dot_general(p, vals, keys_summed))
 
         init = (jnp.full((decode_block, kv_heads, group), _MASKED, jnp.float32),
                 jnp.zeros((decode_block, kv_heads, group), jnp.float32),
