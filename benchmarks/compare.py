@@ -5,12 +5,18 @@
       head removed), through the same `vllm serve` and host layer;
   (c) transformers' `generate` with the same batch, a plain PyTorch baseline.
 
-(a) and (b) are driven by the serving benchmark at each concurrency; (c) gets
-all `concurrency` prompts as one left-padded batch per round. Ratios are
-within this run only: absolute figures vary between machines.
+(a) and (b) serve at the same time and the serving benchmark alternates
+between them, `rounds` runs each per concurrency, which goes first swapping
+every round: a small shared host drifts, and at high concurrency one run's
+throughput hangs on how a wave of requests happens to split into prefill
+steps. Medians over the runs are compared. (c) gets all `concurrency` prompts
+as one batch per round. Ratios are within this run only: absolute figures
+vary between machines.
 """
 
+import contextlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -54,18 +60,43 @@ def make_pair(directory: Path, shape: dict) -> tuple[Path, Path]:
     return ours, builtin
 
 
-def serve_and_measure(model: Path, concurrencies, *, input_len, output_len, num_prompts,
-                      vocab_size, log_dir: Path, server_args=()) -> tuple[list[dict], float]:
+def serve_side_by_side(models: dict[str, Path], concurrencies, *, rounds, input_len,
+                       output_len, num_prompts, vocab_size, log_dir: Path,
+                       server_args=()) -> tuple[dict[str, list[dict]], dict[str, float]]:
+    """Serves every model at once and alternates runs between them.
+
+    Returns ({label: one row per concurrency, each metric the median of its
+    runs}, {label: startup seconds}); servers start one after the other."""
     from benchmarks import serving
     from server.process import Server
 
-    with Server(model, "--served-model-name", "bench", "--max-model-len",
-                str(input_len + output_len + 16), *server_args,
-                log=log_dir / f"{model.name}.log") as server:
-        rows = serving.sweep(server.url, "bench", vocab_size=vocab_size, input_len=input_len,
-                             output_len=output_len, num_prompts=num_prompts,
-                             concurrencies=concurrencies, avoid_tokens={0, 1})
-        return rows, server.startup_seconds
+    with contextlib.ExitStack() as stack:
+        servers = {label: stack.enter_context(Server(
+            model, "--served-model-name", "bench", "--max-model-len",
+            str(input_len + output_len + 16), *server_args, log=log_dir / f"{label}.log"))
+            for label, model in models.items()}
+        runs = {label: [] for label in models}
+        for concurrency in concurrencies:
+            for r in range(rounds):
+                order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+                for label in order:
+                    runs[label] += serving.sweep(
+                        servers[label].url, "bench", vocab_size=vocab_size, input_len=input_len,
+                        output_len=output_len, num_prompts=num_prompts or max(48, 8 * concurrency),
+                        concurrencies=[concurrency], avoid_tokens={0, 1}, seed=r)
+        startup = {label: server.startup_seconds for label, server in servers.items()}
+    return {label: [_median_row([row for row in rows if row["concurrency"] == c])
+                    for c in concurrencies] for label, rows in runs.items()}, startup
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """Each numeric metric's median over the runs; failures summed, runs kept."""
+    out = {key: statistics.median(row[key] for row in rows) for key, value in rows[0].items()
+           if isinstance(value, float)}
+    out.update(concurrency=rows[0]["concurrency"], num_prompts=rows[0]["num_prompts"],
+               failed=sum(row["failed"] for row in rows), completed=sum(row["completed"] for row in rows),
+               runs_output_throughput=[row["output_throughput"] for row in rows])
+    return out
 
 
 def transformers_generate(model: Path, concurrencies, *, input_len, output_len, rounds,
@@ -98,17 +129,17 @@ def transformers_generate(model: Path, concurrencies, *, input_len, output_len, 
 
 
 def compare(*, concurrencies=(1, 4, 16), input_len=128, output_len=64, num_prompts=None,
-            shape=None, dtype="bfloat16", hf_rounds=2, out=None, plot=None) -> dict:
+            shape=None, dtype="bfloat16", rounds=3, hf_rounds=2, out=None, plot=None) -> dict:
     from benchmarks import serving
 
     shape = {**DEFAULT_SHAPE, **(shape or {})}
     work = Path(tempfile.mkdtemp(prefix="bench-compare-"))
     ours, builtin = make_pair(work, shape)
-    common = dict(input_len=input_len, output_len=output_len, vocab_size=shape["vocab_size"],
-                  num_prompts=num_prompts or 2 * max(concurrencies), log_dir=work,
-                  server_args=("--dtype", dtype))
-    ours_rows, ours_start = serve_and_measure(ours, concurrencies, **common)
-    builtin_rows, builtin_start = serve_and_measure(builtin, concurrencies, **common)
+    served, startup = serve_side_by_side(
+        {"ours": ours, "builtin": builtin}, concurrencies, rounds=rounds, input_len=input_len,
+        output_len=output_len, num_prompts=num_prompts, vocab_size=shape["vocab_size"],
+        log_dir=work, server_args=("--dtype", dtype))
+    ours_rows, builtin_rows = served["ours"], served["builtin"]
     hf_rows = transformers_generate(builtin, concurrencies, input_len=input_len,
                                     output_len=output_len, rounds=hf_rounds,
                                     vocab_size=shape["vocab_size"], dtype=dtype)
@@ -121,11 +152,12 @@ def compare(*, concurrencies=(1, 4, 16), input_len=128, output_len=64, num_promp
                      "ours_tpot_ms": a["median_tpot_ms"], "builtin_tpot_ms": b["median_tpot_ms"],
                      "failed": a["failed"] + b["failed"]})
     result = {"benchmark": "compare", "shape": shape, "dtype": dtype, "input_len": input_len,
-              "output_len": output_len, "startup_s": {"ours": ours_start, "builtin": builtin_start},
+              "output_len": output_len, "rounds": rounds, "startup_s": startup,
               "rows": rows, "ours": ours_rows, "builtin": builtin_rows, "transformers": hf_rows}
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"output tokens/s, {input_len} in / {output_len} out, {dtype}, same weights")
+    table = Table(title=f"output tokens/s, {input_len} in / {output_len} out, {dtype}, same "
+                        f"weights; servers: median of {rounds} alternated runs")
     for column in ("conc", "ours (vllm serve)", "built-in Qwen3 (vllm serve)", "transformers",
                    "ours / built-in", "ours / transformers"):
         table.add_column(column, justify="right")

@@ -40,7 +40,10 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
     compare.add_argument("--input-len", type=int, default=128)
     compare.add_argument("--output-len", type=int, default=64)
-    compare.add_argument("--num-prompts", type=int, help="per concurrency (default 2x the largest)")
+    compare.add_argument("--num-prompts", type=int,
+                         help="per run (default: 8 waves of the concurrency, at least 48)")
+    compare.add_argument("--rounds", type=int, default=3,
+                         help="runs per server and concurrency, alternated between the servers")
     compare.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     compare.add_argument("--hidden-size", type=int, help="model shape overrides (smoke runs)")
     compare.add_argument("--layers", type=int)
@@ -120,4 +123,4 @@ def main(argv: list[str]) -> None:
                                    ("num_hidden_layers", args.layers)) if v}
         compare(concurrencies=args.concurrency, input_len=args.input_len,
                 output_len=args.output_len, num_prompts=args.num_prompts, shape=shape,
-                dtype=args.dtype, out=args.out, plot=args.plot)
+                dtype=args.dtype, rounds=args.rounds, out=args.out, plot=args.plot)
