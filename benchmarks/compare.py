@@ -94,7 +94,8 @@ def _median_row(rows: list[dict]) -> dict:
     out = {key: statistics.median(row[key] for row in rows) for key, value in rows[0].items()
            if isinstance(value, float)}
     out.update(concurrency=rows[0]["concurrency"], num_prompts=rows[0]["num_prompts"],
-               failed=sum(row["failed"] for row in rows), completed=sum(row["completed"] for row in rows),
+               failed=sum(row["failed"] for row in rows),
+               completed=sum(row["completed"] for row in rows),
                runs_output_throughput=[row["output_throughput"] for row in rows])
     return out
 
