@@ -82,7 +82,8 @@ def serve_side_by_side(models: dict[str, Path], concurrencies, *, rounds, input_
                 for label in order:
                     runs[label] += serving.sweep(
                         servers[label].url, "bench", vocab_size=vocab_size, input_len=input_len,
-                        output_len=output_len, num_prompts=num_prompts or max(48, 8 * concurrency),
+                        output_len=output_len,
+                        num_prompts=num_prompts or serving.default_num_prompts(concurrency),
                         concurrencies=[concurrency], avoid_tokens={0, 1}, seed=r)
         startup = {label: server.startup_seconds for label, server in servers.items()}
     return {label: [_median_row([row for row in rows if row["concurrency"] == c])

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from tpu_inference import envs
 from tpu_inference.layers.common.attention_metadata import AttentionMetadata
 
 
@@ -93,7 +94,6 @@ class Stepper:
             seq_lens.append(len(req["tokens"]))
             tables.append(req["pages"] + [0] * (self.pages_per_seq - len(req["pages"])))
         # The runner pads tokens to power-of-two buckets: a few compiled shapes serve all.
-        from tpu_inference import envs
         num_tokens = max(envs.MIN_TOKEN_BUCKET, 1 << (len(ids) - 1).bit_length())
         pad = num_tokens - len(ids)
         num_reqs = len(chunks)

@@ -54,8 +54,7 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
     try:
         # The ids travel in extra_body, which the client sends as given: `prompt=`
         # goes through its type-directed transform, one call per id (3.7 vs 0.9 ms
-        # per 128-id request). On two shared cores that staggered the arrivals of
-        # a wave of 16, and a late arrival waits a whole step for its prefill.
+        # per 128-id request), client CPU taken from the cores the server shares.
         async with client.completions.with_streaming_response.create(
                 model=model, prompt="", max_tokens=output_len, temperature=0.0, stream=True,
                 stream_options={"include_usage": True},
@@ -91,6 +90,11 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
     finally:
         _sent.pop(request_id, None)
     return result
+
+
+def default_num_prompts(concurrency: int) -> int:
+    """Eight waves of `concurrency` requests, at least 48: enough for stable medians."""
+    return max(48, 8 * concurrency)
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0,

@@ -42,11 +42,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--out", default="bench-vllm-agreement.json")
     args = parser.parse_args(argv)
-    num_prompts = args.num_prompts or max(48, 8 * args.concurrency)
 
     from benchmarks import serving
     from benchmarks.compare import DEFAULT_SHAPE, make_pair
     from server.process import Server
+
+    num_prompts = args.num_prompts or serving.default_num_prompts(args.concurrency)
 
     work = Path(tempfile.mkdtemp(prefix="bench-agreement-"))
     model, _ = make_pair(work, DEFAULT_SHAPE)
