@@ -9,9 +9,12 @@ cache, so bytes/step over the host's measured read bandwidth is its floor:
 
     limit = (weight bytes + KV bytes read) / bandwidth,   efficiency = limit / step time
 
-Bandwidth is measured in the same run: a large-array reduction under XLA
-(read-bound, all cores) and numpy's single-threaded copy. The run also
-splits the step into attention (context 512 vs 1), sampling, and logits.
+Bandwidth is measured in the same run, right before and right after each
+row's steps (this VM's bandwidth drifts by a third between minutes): a
+large-array reduction under XLA (read-bound, all cores) and numpy's
+single-threaded copy. A row's limit uses the mean of its two samples. The
+run also splits the step into attention (context 512 vs 1), sampling, and
+logits.
 
     python -m benchmarks.step [--batch 1,16] [--context 512] [--dtype bfloat16]
 """
@@ -117,8 +120,13 @@ def main(argv=None) -> dict:
                       max_seqs=max(batches), load_format="dummy")
     fns = stepper.interface
     weight_bytes = sum(x.nbytes for x in fns.state_leaves)
-    bw = bandwidth(args.bandwidth_mib)
-    limit_bw = max(bw["xla_read_gb_s"], bw["numpy_copy_gb_s"] / 2) * 1e9
+    # As the runner: the rows that get logits are picked inside a jitted function.
+    select = jax.jit(lambda hidden, rows: hidden[rows])
+    samples = []  # every bandwidth measurement, in order
+
+    def read_bandwidth() -> float:
+        samples.append(bandwidth(args.bandwidth_mib))
+        return max(samples[-1]["xla_read_gb_s"], samples[-1]["numpy_copy_gb_s"] / 2)
 
     rows = []
     for batch in batches:
@@ -135,19 +143,25 @@ def main(argv=None) -> dict:
             def step():
                 stepper.kv_caches, hidden, *_ = fns.model_fn(
                     fns.state_leaves, stepper.kv_caches, *md_step)
-                fns.compute_logits_fn(fns.state_leaves, hidden[logit_rows]).block_until_ready()
+                fns.compute_logits_fn(fns.state_leaves,
+                                      select(hidden, logit_rows)).block_until_ready()
 
+            bw_before = read_bandwidth()
             seconds = timed(step, args.repeats)
+            bw_after = read_bandwidth()
             stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches,
                                                          *md_step)
-            logits_s = timed(lambda: fns.compute_logits_fn(fns.state_leaves, hidden[logit_rows])
+            hidden = select(hidden, logit_rows)
+            logits_s = timed(lambda: fns.compute_logits_fn(fns.state_leaves, hidden)
                              .block_until_ready(), args.repeats)
             kv = stepper.kv_caches[0]
             per_token = kv.nbytes / (kv.shape[0] * kv.shape[1])  # one layer, all heads, padded
             kv_bytes = per_token * (context + 1) * batch * len(stepper.kv_caches)
+            read_gb_s = (bw_before + bw_after) / 2
             rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3,
                          "weight_mb": weight_bytes / 2**20, "kv_read_mb": kv_bytes / 2**20,
-                         "limit_ms": (weight_bytes + kv_bytes) / limit_bw * 1e3,
+                         "read_gb_s_before": bw_before, "read_gb_s_after": bw_after,
+                         "limit_ms": (weight_bytes + kv_bytes) / (read_gb_s * 1e9) * 1e3,
                          "logits_ms": logits_s * 1e3, "tokens_per_s": batch / seconds})
             rows[-1]["efficiency"] = rows[-1]["limit_ms"] / rows[-1]["step_ms"]
 
@@ -160,21 +174,22 @@ def main(argv=None) -> dict:
     result = {"benchmark": "decode_step", "device": str(jax.devices()[0].device_kind),
               "dtype": args.dtype, "layers": config["num_hidden_layers"],
               "params_m": weight_bytes / (2 if args.dtype == "bfloat16" else 4) / 1e6,
-              **bw, "greedy_sample_ms": greedy_ms, "rows": rows}
+              "bandwidth_samples": samples, "greedy_sample_ms": greedy_ms, "rows": rows}
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"decode step, {result['params_m']:.0f}M params {args.dtype}, "
-                        f"XLA read {bw['xla_read_gb_s']:.1f} GB/s")
-    for column in ("batch", "context", "step ms", "of which logits", "limit ms", "% of limit",
-                   "tok/s", "KV MB"):
+    table = Table(title=f"decode step, {result['params_m']:.0f}M params {args.dtype}")
+    for column in ("batch", "context", "step ms", "of which logits", "read GB/s before/after",
+                   "limit ms", "% of limit", "tok/s", "KV MB"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(str(r["batch"]), str(r["context"]), f"{r['step_ms']:.1f}",
-                      f"{r['logits_ms']:.1f}", f"{r['limit_ms']:.1f}", f"{r['efficiency']:.0%}", f"{r['tokens_per_s']:.1f}",
-                      f"{r['kv_read_mb']:.1f}")
+                      f"{r['logits_ms']:.1f}",
+                      f"{r['read_gb_s_before']:.1f} / {r['read_gb_s_after']:.1f}",
+                      f"{r['limit_ms']:.1f}", f"{r['efficiency']:.0%}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['kv_read_mb']:.1f}")
     Console(width=120).print(table)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"} |
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "bandwidth_samples")} |
                      {"efficiency": {f"b{r['batch']}c{r['context']}": r["efficiency"] for r in rows}}))
     return result
 

@@ -52,4 +52,5 @@ def test_bench_step_smoke(tmp_path):
     assert {(r["batch"], r["context"]) for r in result["rows"]} == {(1, 32), (1, 1), (2, 32), (2, 1)}
     for row in result["rows"]:
         assert row["step_ms"] > 0 and 0 < row["efficiency"] and row["limit_ms"] > 0
-    assert result["xla_read_gb_s"] > 0
+        assert row["read_gb_s_before"] > 0 and row["read_gb_s_after"] > 0
+    assert len(result["bandwidth_samples"]) == 2 * len(result["rows"])  # before and after each
