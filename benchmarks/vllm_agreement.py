@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 METRICS = [("output_throughput", "output_throughput"), ("request_throughput", "request_throughput"),
-           ("median_ttft_ms", "median_ttft_ms"), ("median_tpot_ms", "median_tpot_ms"),
+           ("median_ttft_ms", "median_ttft_ms"), ("mean_ttft_ms", "mean_ttft_ms"),
+           ("server_mean_ttft_ms", "server_mean_ttft_ms"), ("median_tpot_ms", "median_tpot_ms"),
            ("median_itl_ms", "median_itl_ms"), ("median_e2el_ms", "median_e2el_ms")]
 
 
@@ -29,6 +30,20 @@ def client_env() -> dict:
     from server.portability import TPU_IDENTITY
     return {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS") or "cpu",
             **TPU_IDENTITY, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def server_ttft(url: str) -> tuple[float, float]:
+    """The server's own TTFT histogram (request arrival to first token): (sum s, count)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:time_to_first_token_seconds":
+            samples = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples
+                       if s.name.endswith(("_sum", "_count"))}
+            return samples["sum"], samples["count"]
+    raise RuntimeError(f"{url}/metrics has no vllm:time_to_first_token_seconds")
 
 
 def main(argv=None) -> dict:
@@ -66,25 +81,33 @@ def main(argv=None) -> dict:
     ours, theirs = [], []
     cpu = {"ours": 0.0, "vllm": 0.0}  # client CPU seconds: the client shares the host's cores
 
+    def server_side(run: dict, before: tuple[float, float]) -> None:
+        """Adds the server's mean TTFT over the run (its warm-up requests included):
+        whether a gap in TTFT is in the server or in the client's clock."""
+        total, count = server_ttft(server.url)
+        run["server_mean_ttft_ms"] = (total - before[0]) / (count - before[1]) * 1000
+
     def run_ours(seed):
-        start = time.process_time()
+        start, before = time.process_time(), server_ttft(server.url)
         ours.append(serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
                                   avoid_tokens={0, 1}, seed=seed, input_len=args.input_len,
                                   output_len=args.output_len, num_prompts=num_prompts,
                                   concurrencies=[args.concurrency])[0])
         cpu["ours"] += time.process_time() - start
+        server_side(ours[-1], before)
 
     with Server(model, "--served-model-name", "bench", "--max-model-len",
                 str(args.input_len + args.output_len + 16), log=work / "serve.log") as server:
         # Alternate, so that drift of a small shared host hits both sides alike.
         for seed in range(args.repeats):
             run_ours(seed)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            before, ttft_before = resource.getrusage(resource.RUSAGE_CHILDREN), server_ttft(server.url)
             subprocess.run(vllm_command + ["--base-url", server.url, "--seed", str(seed)],
                            check=True, cwd=work, env=client_env())
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu["vllm"] += (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
             theirs.append(json.loads(result_file.read_text()))
+            server_side(theirs[-1], ttft_before)
         run_ours(args.repeats)
     # The same definitions: our metrics() over vLLM's own per-request timings.
     vllm = theirs[-1]
@@ -100,7 +123,9 @@ def main(argv=None) -> dict:
         other = [run[vllm_key] for run in theirs]
         rows.append({"metric": ours_key, "ours": mine, "vllm": other,
                      "ratio": statistics.median(mine) / statistics.median(other),
-                     "same_data_ratio": replayed[ours_key] / vllm[vllm_key]})
+                     # None for the server's own figure, which no client replays
+                     "same_data_ratio": replayed[ours_key] / vllm[vllm_key]
+                     if ours_key in replayed else None})
     from rich.console import Console
     from rich.table import Table
     table = Table(title=f"tpu-models bench serve vs vllm bench serve, concurrency "
@@ -112,7 +137,7 @@ def main(argv=None) -> dict:
     for r in rows:
         table.add_row(r["metric"], " ".join(f"{v:.1f}" for v in r["ours"]),
                       " ".join(f"{v:.1f}" for v in r["vllm"]), f"{r['ratio']:.3f}",
-                      f"{r['same_data_ratio']:.4f}")
+                      "-" if r["same_data_ratio"] is None else f"{r['same_data_ratio']:.4f}")
     Console(width=140).print(table)
     print(f"client CPU seconds: ours {cpu['ours']:.1f} (incl. warm-up), vllm bench serve "
           f"{cpu['vllm']:.1f} (incl. its start-up)")
