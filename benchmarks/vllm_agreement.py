@@ -3,7 +3,9 @@
 Starts one server, then on the same workload (random prompts, fixed input and
 output lengths, ignore_eos, greedy, one concurrency) alternates ours and vLLM's
 (ours first and last, so drift hits both alike), and prints the ratio of each
-metric's medians over the runs.
+metric's medians over the runs. Each run also records the server's own mean
+TTFT (its `/metrics` histogram before and after), which tells a gap in the
+server's work from one in a client's clock.
 
     python -m benchmarks.vllm_agreement [--concurrency 4] [--repeats 2] [--num-prompts N]
 """
