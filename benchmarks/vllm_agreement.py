@@ -34,18 +34,21 @@ def client_env() -> dict:
             **TPU_IDENTITY, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
-def server_ttft(url: str) -> tuple[float, float]:
-    """The server's own TTFT histogram (request arrival to first token): (sum s, count)."""
+SERVER_COUNTERS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+                   "vllm:prompt_tokens_cached_total")
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's own counters from its /metrics, summed over their label sets."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:time_to_first_token_seconds":
-            samples = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples
-                       if s.name.endswith(("_sum", "_count"))}
-            return samples["sum"], samples["count"]
-    raise RuntimeError(f"{url}/metrics has no vllm:time_to_first_token_seconds")
+    counters = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in counters:
+                counters[sample.name] += sample.value
+    return counters
 
 
 def main(argv=None) -> dict:
@@ -83,14 +86,16 @@ def main(argv=None) -> dict:
     ours, theirs = [], []
     cpu = {"ours": 0.0, "vllm": 0.0}  # client CPU seconds: the client shares the host's cores
 
-    def server_side(run: dict, before: tuple[float, float]) -> None:
-        """Adds the server's mean TTFT over the run (its warm-up requests included):
-        whether a gap in TTFT is in the server or in the client's clock."""
-        total, count = server_ttft(server.url)
-        run["server_mean_ttft_ms"] = (total - before[0]) / (count - before[1]) * 1000
+    def server_side(run: dict, before: dict[str, float]) -> None:
+        """Adds the server's own view of the run (its warm-up requests included): its
+        mean TTFT tells a gap in the server's work from one in a client's clock."""
+        delta = {k: v - before[k] for k, v in server_counters(server.url).items()}
+        run["server_mean_ttft_ms"] = (delta["vllm:time_to_first_token_seconds_sum"] * 1000
+                                      / delta["vllm:time_to_first_token_seconds_count"])
+        run["server_cached_prompt_tokens"] = delta["vllm:prompt_tokens_cached_total"]
 
     def run_ours(seed):
-        start, before = time.process_time(), server_ttft(server.url)
+        start, before = time.process_time(), server_counters(server.url)
         ours.append(serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
                                   avoid_tokens={0, 1}, seed=seed, input_len=args.input_len,
                                   output_len=args.output_len, num_prompts=num_prompts,
@@ -98,18 +103,23 @@ def main(argv=None) -> dict:
         cpu["ours"] += time.process_time() - start
         server_side(ours[-1], before)
 
-    with Server(model, "--served-model-name", "bench", "--max-model-len",
-                str(args.input_len + args.output_len + 16), log=work / "serve.log") as server:
+    # No prefix caching: on a small tokenizer vLLM's random prompts repeat (36 of
+    # 128 were one run of special tokens), and cached prefills would make its
+    # workload lighter than ours.
+    with Server(model, "--served-model-name", "bench", "--no-enable-prefix-caching",
+                "--max-model-len", str(args.input_len + args.output_len + 16),
+                log=work / "serve.log") as server:
         # Alternate, so that drift of a small shared host hits both sides alike.
         for seed in range(args.repeats):
             run_ours(seed)
-            before, ttft_before = resource.getrusage(resource.RUSAGE_CHILDREN), server_ttft(server.url)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            counters = server_counters(server.url)
             subprocess.run(vllm_command + ["--base-url", server.url, "--seed", str(seed)],
                            check=True, cwd=work, env=client_env())
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu["vllm"] += (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
             theirs.append(json.loads(result_file.read_text()))
-            server_side(theirs[-1], ttft_before)
+            server_side(theirs[-1], counters)
         run_ours(args.repeats)
     # The same definitions: our metrics() over vLLM's own per-request timings.
     vllm = theirs[-1]
@@ -141,11 +151,16 @@ def main(argv=None) -> dict:
                       " ".join(f"{v:.1f}" for v in r["vllm"]), f"{r['ratio']:.3f}",
                       "-" if r["same_data_ratio"] is None else f"{r['same_data_ratio']:.4f}")
     Console(width=140).print(table)
+    cached = {side: sum(run["server_cached_prompt_tokens"] for run in runs)
+              for side, runs in (("ours", ours), ("vllm", theirs))}
+    print(f"prompt tokens served from the prefix cache: ours {cached['ours']:.0f}, "
+          f"vllm bench serve {cached['vllm']:.0f}")
     print(f"client CPU seconds: ours {cpu['ours']:.1f} (incl. warm-up), vllm bench serve "
           f"{cpu['vllm']:.1f} (incl. its start-up)")
     document = {"benchmark": "vllm_agreement", "concurrency": args.concurrency,
                 "num_prompts": num_prompts, "input_len": args.input_len,
-                "output_len": args.output_len, "rows": rows, "client_cpu_s": cpu}
+                "output_len": args.output_len, "rows": rows, "client_cpu_s": cpu,
+                "cached_prompt_tokens": cached}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     print(json.dumps({r["metric"]: round(r["ratio"], 4) for r in rows}))
     return document
