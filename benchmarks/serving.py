@@ -92,13 +92,31 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
     return result
 
 
+SERVER_COUNTERS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+                   "vllm:prompt_tokens_cached_total")
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """A vLLM server's own counters from its /metrics, summed over their label sets."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in counters:
+                counters[sample.name] += sample.value
+    return counters
+
+
 def default_num_prompts(concurrency: int) -> int:
     """Eight waves of `concurrency` requests, at least 48: enough for stable medians."""
     return max(48, 8 * concurrency)
 
 
-def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0,
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int | list[int] = 0,
                    avoid: set[int] = frozenset()) -> list[list[int]]:
+    """`seed`: an int or a list of ints (numpy's SeedSequence entropy)."""
     rng = np.random.default_rng(seed)
     allowed = np.array([t for t in range(vocab_size) if t not in avoid])
     return [rng.choice(allowed, input_len).tolist() for _ in range(num)]
@@ -168,11 +186,14 @@ def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_
         client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600,
                              max_retries=0, http_client=DefaultAsyncHttpxClient(
                                  event_hooks={"request": [_stamp]}))
-        warm = random_prompts(warmup, input_len, vocab_size, seed + 1, avoid_tokens)
+        # No prompt repeats within a sweep, nor between sweeps of different seeds or
+        # concurrencies: a repeated prompt's prefill would come from the prefix cache.
+        warm = random_prompts(warmup, input_len, vocab_size, [seed, 1], avoid_tokens)
         await run_load(client, model, warm, output_len, concurrency=warmup)
         rows = []
         for concurrency in concurrencies:
-            prompts = random_prompts(num_prompts, input_len, vocab_size, seed, avoid_tokens)
+            prompts = random_prompts(num_prompts, input_len, vocab_size,
+                                     [seed, 2, concurrency or 0], avoid_tokens)
             results, duration = await run_load(client, model, prompts, output_len,
                                                concurrency=concurrency, request_rate=request_rate,
                                                seed=seed)

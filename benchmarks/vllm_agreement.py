@@ -34,23 +34,6 @@ def client_env() -> dict:
             **TPU_IDENTITY, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
-SERVER_COUNTERS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
-                   "vllm:prompt_tokens_cached_total")
-
-
-def server_counters(url: str) -> dict[str, float]:
-    """The server's own counters from its /metrics, summed over their label sets."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    counters = dict.fromkeys(SERVER_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            if sample.name in counters:
-                counters[sample.name] += sample.value
-    return counters
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=4)
@@ -89,13 +72,13 @@ def main(argv=None) -> dict:
     def server_side(run: dict, before: dict[str, float]) -> None:
         """Adds the server's own view of the run (its warm-up requests included): its
         mean TTFT tells a gap in the server's work from one in a client's clock."""
-        delta = {k: v - before[k] for k, v in server_counters(server.url).items()}
+        delta = {k: v - before[k] for k, v in serving.server_counters(server.url).items()}
         run["server_mean_ttft_ms"] = (delta["vllm:time_to_first_token_seconds_sum"] * 1000
                                       / delta["vllm:time_to_first_token_seconds_count"])
         run["server_cached_prompt_tokens"] = delta["vllm:prompt_tokens_cached_total"]
 
     def run_ours(seed):
-        start, before = time.process_time(), server_counters(server.url)
+        start, before = time.process_time(), serving.server_counters(server.url)
         ours.append(serving.sweep(server.url, "bench", vocab_size=DEFAULT_SHAPE["vocab_size"],
                                   avoid_tokens={0, 1}, seed=seed, input_len=args.input_len,
                                   output_len=args.output_len, num_prompts=num_prompts,
@@ -113,7 +96,7 @@ def main(argv=None) -> dict:
         for seed in range(args.repeats):
             run_ours(seed)
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            counters = server_counters(server.url)
+            counters = serving.server_counters(server.url)
             subprocess.run(vllm_command + ["--base-url", server.url, "--seed", str(seed)],
                            check=True, cwd=work, env=client_env())
             after = resource.getrusage(resource.RUSAGE_CHILDREN)

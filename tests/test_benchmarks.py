@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from benchmarks import serving
 from server import bench, cli
 from server.serve import DEFAULT_MODEL
 
@@ -13,6 +14,8 @@ pytestmark = pytest.mark.e2e
 
 def test_bench_serve_against_a_running_server(demo_server, tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    cached = "vllm:prompt_tokens_cached_total"
+    before = serving.server_counters(demo_server.url)[cached]
     document = bench.bench_serve(bench.parser().parse_args([
         "serve", "--base-url", demo_server.url, "--api-key", demo_server.api_key,
         "--tokenizer", str(DEFAULT_MODEL), "--input-len", "24", "--output-len", "8",
@@ -26,6 +29,8 @@ def test_bench_serve_against_a_running_server(demo_server, tmp_path):
         assert row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
     assert json.loads(out.read_text())["rows"][0]["concurrency"] == 1
     assert plot.stat().st_size > 0
+    # Every prompt was new to the server: none had its prefill served from the prefix cache.
+    assert serving.server_counters(demo_server.url)[cached] == before
 
 
 def test_bench_compare_smoke(tmp_path, monkeypatch):
