@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-METRICS = [("output_throughput", "output_throughput"), ("request_throughput", "request_throughput"),
-           ("median_ttft_ms", "median_ttft_ms"), ("mean_ttft_ms", "mean_ttft_ms"),
-           ("server_mean_ttft_ms", "server_mean_ttft_ms"), ("median_tpot_ms", "median_tpot_ms"),
-           ("median_itl_ms", "median_itl_ms"), ("median_e2el_ms", "median_e2el_ms")]
+# Keys of both tools' JSON (vLLM's names); server_mean_ttft_ms is added per run here.
+METRICS = ["output_throughput", "request_throughput", "median_ttft_ms", "mean_ttft_ms",
+           "server_mean_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms"]
 
 
 def client_env() -> dict:
@@ -70,8 +69,7 @@ def main(argv=None) -> dict:
     cpu = {"ours": 0.0, "vllm": 0.0}  # client CPU seconds: the client shares the host's cores
 
     def server_side(run: dict, before: dict[str, float]) -> None:
-        """Adds the server's own view of the run (its warm-up requests included): its
-        mean TTFT tells a gap in the server's work from one in a client's clock."""
+        """Adds the server's own view of the run, its warm-up requests included."""
         delta = {k: v - before[k] for k, v in serving.server_counters(server.url).items()}
         run["server_mean_ttft_ms"] = (delta["vllm:time_to_first_token_seconds_sum"] * 1000
                                       / delta["vllm:time_to_first_token_seconds_count"])
@@ -113,14 +111,13 @@ def main(argv=None) -> dict:
             vllm["input_lens"], vllm["output_lens"], vllm["ttfts"], vllm["latencies"],
             vllm["itls"], vllm["errors"])], vllm["duration"])
     rows = []
-    for ours_key, vllm_key in METRICS:
-        mine = [run[ours_key] for run in ours]
-        other = [run[vllm_key] for run in theirs]
-        rows.append({"metric": ours_key, "ours": mine, "vllm": other,
+    for key in METRICS:
+        mine = [run[key] for run in ours]
+        other = [run[key] for run in theirs]
+        rows.append({"metric": key, "ours": mine, "vllm": other,
                      "ratio": statistics.median(mine) / statistics.median(other),
                      # None for the server's own figure, which no client replays
-                     "same_data_ratio": replayed[ours_key] / vllm[vllm_key]
-                     if ours_key in replayed else None})
+                     "same_data_ratio": replayed[key] / vllm[key] if key in replayed else None})
     from rich.console import Console
     from rich.table import Table
     table = Table(title=f"tpu-models bench serve vs vllm bench serve, concurrency "
