@@ -21,6 +21,7 @@ S page size, B pages per key block.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +158,7 @@ def ragged_paged_attention(
     # are batched matmuls over (request, kv head).
     decode_pages = max(1, decode_kv_block // page_size)
     decode_keys = decode_pages * page_size
-    key_bytes = kv_cache[0, 0].size * kv_cache.dtype.itemsize
+    key_bytes = math.prod(kv_cache.shape[2:]) * kv_cache.dtype.itemsize  # one slot, all heads
     decode_block = max(1, min(decode_block, num_tokens,
                               decode_block_bytes // (decode_keys * key_bytes)))
     is_decode = q_lens == 1
