@@ -40,7 +40,7 @@ DEFAULT_PRESETS = ("int8-weight-only", "int8", "fp8", "int4-weight-only", "kv:fp
 def build(model_dir, quant: str | None = None, **stepper_args):
     """A Stepper over model_dir, quantized with a preset or rules file, or with
     its KV cache stored as `kv:DTYPE` (e.g. kv:fp8); None: unquantized."""
-    from benchmarks.harness import Stepper
+    from tpu_models.stepper import Stepper
     from quant import rules
 
     if quant is not None and quant.startswith("kv:"):

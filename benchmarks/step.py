@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
 
     from tpu_inference.runner.utils import get_padded_num_reqs_with_upper_limit
 
-    from benchmarks.harness import Stepper  # the runner-like harness the parity tests use
+    from tpu_models.stepper import Stepper  # the runner-like harness the parity tests use
 
     if args.dtype is None:
         args.dtype = "bfloat16" if jax.default_backend() == "tpu" else "float32"

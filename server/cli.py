@@ -40,12 +40,11 @@ def main(argv: list[str] | None = None) -> None:
         except CheckpointError as e:
             sys.exit(f"tpu-models inspect: {e}")
     elif command == "bench":
-        from server import bench, portability, serve
-        if not serve.has_tpu():
-            # `bench step` and `bench quant` run tpu-inference in this process: on
-            # this host's CPU, and never asking the cloud metadata server.
-            os.environ.setdefault("JAX_PLATFORMS", "cpu")
-            portability.set_tpu_identity()
+        from tpu_models import compat
+        # `bench step` and `bench quant` run tpu-inference in this process: on this
+        # host's CPU unless it has a TPU, and never asking the cloud metadata server.
+        compat.setup_host()
+        from server import bench
         bench.main(rest)
     else:
         sys.exit(f"tpu-models: unknown command {command!r}\n{USAGE}")

@@ -2,27 +2,22 @@
 
 On a TPU host it is `MODEL_IMPL_TYPE=flax_nnx vllm serve MODEL ...`. Elsewhere it
 also points JAX at the host (JAX_PLATFORMS=cpu unless set) and gives
-tpu-inference a TPU identity, which switches on the portability layer
-(server/portability.py) in every vLLM process. Everything it does not know is
-passed to `vllm serve` unchanged.
+tpu-inference a TPU identity (tpu_models.compat.setup_host), which switches on
+the compatibility layer's host portability in every vLLM process. Everything
+it does not know is passed to `vllm serve` unchanged.
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
 from pathlib import Path
 
 from quant import rules as quant_rules
-from server import portability
+from tpu_models import compat
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_NAME = "qwen3-structural-demo"
-
-
-def has_tpu() -> bool:
-    return bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
         usage="tpu-models serve [MODEL] [options] [vllm serve options]",
         description="Serve MODEL (an HF checkpoint directory; default: the embedded demo "
                     "model) with vLLM's TPU backend. Options not listed here go to `vllm serve`.")
-    p.add_argument("--device", choices=["auto", "tpu", "cpu", "gpu"], default="auto",
+    p.add_argument("--device", choices=["auto", *compat.DEVICES], default="auto",
                    help="where JAX runs (auto: TPU if this host has one, else CPU)")
     p.add_argument("--lora", metavar="ADAPTER_DIR",
                    help="merge this PEFT LoRA adapter into the weights while loading "
@@ -51,26 +46,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def jax_platform(device: str, env: dict) -> str | None:
-    """The JAX_PLATFORMS value to run with; None keeps JAX's TPU default."""
-    if device == "auto":
-        if env.get("JAX_PLATFORMS"):
-            return env["JAX_PLATFORMS"]
-        return None if has_tpu() else "cpu"
-    return {"tpu": None, "cpu": "cpu", "gpu": "cuda"}[device]
-
-
 def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     argv = list(argv)
     model = argv.pop(0) if argv and not argv[0].startswith("-") else None
     args, vllm_args = parser().parse_known_args(argv)
     env = dict(env)
     env.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
-    platform = jax_platform(args.device, env)
-    if platform is not None:
-        env["JAX_PLATFORMS"] = platform
-        for key, value in portability.TPU_IDENTITY.items():
-            env.setdefault(key, value)
+    platform = compat.setup_host(args.device, env)
     if platform == "cpu" and not _given(vllm_args, "--dtype"):
         # XLA:CPU has no fast bfloat16 matmul (about 12x slower than float32 here).
         vllm_args += ["--dtype", "float32"]

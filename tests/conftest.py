@@ -2,13 +2,12 @@
 
 import os
 
+from tpu_models import compat  # imports nothing heavy
+
 # Before anything imports tpu_inference: JAX on CPU, and a TPU identity so that
 # tpu-inference never asks the cloud metadata server who it is.
-os.environ["JAX_PLATFORMS"] = "cpu"
+compat.setup_host("cpu")
 os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
-for key, value in {"TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_NAME": "local",
-                   "TPU_WORKER_ID": "0"}.items():
-    os.environ.setdefault(key, value)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Test servers compile the shapes they meet instead of every bucket up front
 # (about 30 s less per start); the shared demo server below precompiles, as users get it.

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from loaders.hf import CheckpointError, HfCheckpoint, count_nonfinite
 from loaders.tables import check_checkpoint, read_config, table_for
-from benchmarks.harness import Stepper
+from tpu_models.stepper import Stepper
 from server.process import Server
 from server.serve import build_command
 from tests.tiny import make_qwen3

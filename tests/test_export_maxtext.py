@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 from loaders.export import maxtext
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.maxtext import hf_to_maxtext
-from benchmarks.harness import Stepper
+from tpu_models.stepper import Stepper
 from tests.tiny import Reference, make_gemma3, make_qwen3, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"

@@ -17,7 +17,7 @@ import pytest
 
 from loaders.export import tunix
 from loaders.hf import CheckpointError, HfCheckpoint
-from benchmarks.harness import Stepper
+from tpu_models.stepper import Stepper
 from tests.tiny import Reference, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tunix"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.harness import Stepper
+from tpu_models.stepper import Stepper
 from tests.tiny import make_tokenizer
 
 

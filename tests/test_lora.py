@@ -11,7 +11,7 @@ from loaders.export import lora_merge
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.lora import LoraAdapter
 from loaders.tables import table_for
-from benchmarks.harness import Stepper
+from tpu_models.stepper import Stepper
 from tests.test_gemma3 import run_steps
 from tests.tiny import Reference, make_gemma3, make_lora, make_qwen3
 

@@ -11,7 +11,7 @@ import tests.conftest  # noqa: F401  (JAX on CPU, TPU identity)
 
 import numpy as np
 
-from benchmarks.harness import Stepper
+from tpu_models.stepper import Stepper
 
 
 def greedy(stepper, prompts, steps):

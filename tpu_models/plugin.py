@@ -23,10 +23,10 @@ def register() -> None:
         _REGISTERED_BACKENDS, register_attention_backend)
     from tpu_inference.models.common.model_loader import _MODEL_REGISTRY, register_model
 
-    from tpu_models import upstream_fixes
+    from tpu_models import compat
     from tpu_models.attention import PortableAttentionBackend
 
-    upstream_fixes.apply()
+    compat.install()
 
     for arch, module in NEW_ARCHITECTURES.items():
         if arch not in _MODEL_REGISTRY:

@@ -1,0 +1,287 @@
+"""Everything tpu-inference 0.32.0 needs adapted, in one place.
+
+Three kinds of adaptation, all written against TPU_INFERENCE_VERSION:
+
+Host set-up (`setup_host`): before any vLLM or tpu-inference import, point JAX
+at the host (JAX_PLATFORMS) and give tpu-inference a TPU identity, so it never
+asks the cloud metadata server who it is. `tpu-models serve`, `bench` and the
+tests all call it.
+
+Host portability (`install`, off-TPU only). libtpu ships with tpu-inference, so
+vLLM picks its TPU platform on any host; with JAX_PLATFORMS=cpu (or cuda) the
+engine then runs on that JAX backend until one of tpu-inference's TPU-only
+assumptions stops it (1-4), or, worse, lets it run and return wrong tokens (5):
+
+1. the mesh sorts devices by `.coords`, which only TPU devices have;
+2. memory sizing asks for TPU HBM (`hbm_usage_bytes`, `TpuPlatform.mem_get_info`,
+   `get_device_name` raise "Expected TPU devices");
+3. `xla_tpu_*` compiler options are baked into jitted functions, and XLA:CPU
+   refuses unknown options;
+4. tpu-inference's own models hard-code the Pallas TPU kernel (RPA v3): its
+   backend is redirected to the portable kernel (our models pick the portable
+   backend themselves, see `attention_backend`);
+5. host->device transfers copy: the runner refills its host buffers while the
+   previous step may still run, which on CPU (zero-copy) it would read.
+
+It also lowers the smallest token bucket from 16 to 1 (tpu-inference's
+MIN_TOKEN_BUCKET, unless set): a TPU computes a 16-row step for the price of
+one, a CPU computes every padded row, so a lone decode paid 16x its matmuls.
+
+Upstream fixes (`install`, every platform, TPU included): tpu-inference bugs
+that give wrong results.
+
+tpu-inference's only extension points here are for models and attention
+(register_model, register_attention_backend, used by tpu_models.plugin);
+everything else is a patch, each in one function below, applied only to
+TPU_INFERENCE_VERSION.
+"""
+
+import dataclasses
+import glob
+import importlib.metadata
+import os
+import sys
+
+# The tpu-inference release every adaptation below was written against (and the
+# bugs fixed were found in). On another version nothing is patched: off-TPU
+# start-up refuses it, on TPU the fixes are skipped with a warning.
+TPU_INFERENCE_VERSION = "0.32.0"
+# tpu-inference reads these to describe the TPU slice; unset, it asks the cloud
+# metadata server, which must never be contacted from a non-TPU host.
+TPU_IDENTITY = {"TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_NAME": "local", "TPU_WORKER_ID": "0"}
+# Default KV-cache budget off-TPU, as a share of the host's available memory.
+KV_CACHE_SHARE = 0.2
+# --device values and the JAX platform each runs on (None: JAX's default, the TPU).
+DEVICES = {"tpu": None, "cpu": "cpu", "gpu": "cuda"}
+
+_installed = False
+
+
+def _logger():
+    # vLLM's logger, imported late: importing vllm before setup_host would pick
+    # the platform (and query TPU metadata) too early.
+    from vllm.logger import init_logger
+    return init_logger("tpu_models.compat")
+
+
+def has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio")
+
+
+def jax_platform(device: str = "auto", env=os.environ) -> str | None:
+    """The JAX_PLATFORMS value to run with; None keeps JAX's TPU default."""
+    if device == "auto":
+        if env.get("JAX_PLATFORMS"):
+            return env["JAX_PLATFORMS"]
+        return None if has_tpu() else "cpu"
+    return DEVICES[device]
+
+
+def setup_host(device: str = "auto", env=None) -> str | None:
+    """Prepares `env` (default: this process's environment) to run the stack on
+    `device`: JAX_PLATFORMS and, off-TPU, a TPU identity. Returns the platform
+    (None on TPU). Call it before anything imports vllm or tpu_inference."""
+    env = os.environ if env is None else env
+    platform = jax_platform(device, env)
+    if platform is not None:
+        env["JAX_PLATFORMS"] = platform
+        for key, value in TPU_IDENTITY.items():
+            env.setdefault(key, value)
+    return platform
+
+
+def host_platform() -> str | None:
+    """The non-TPU JAX platform requested via JAX_PLATFORMS, else None (TPU or default)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if not platforms or "tpu" in platforms:
+        return None
+    return platforms[0]
+
+
+def install() -> None:
+    """Applies the adaptations this host needs; run by tpu_models.plugin in every vLLM process."""
+    global _installed
+    if _installed:
+        return
+    version = importlib.metadata.version("tpu-inference")
+    platform = host_platform()
+    if version != TPU_INFERENCE_VERSION:
+        if platform is not None:
+            raise RuntimeError(
+                f"tpu-models' compatibility layer was written for tpu-inference "
+                f"{TPU_INFERENCE_VERSION}, found {version}; install "
+                f"tpu-inference=={TPU_INFERENCE_VERSION} or run on a TPU host.")
+        _logger().warning("tpu-models: tpu-inference %s, not %s: its fixes are not applied",
+                          version, TPU_INFERENCE_VERSION)
+        _installed = True
+        return
+    _grammar_rows_in_request_order()
+    if platform is not None:
+        for key, value in TPU_IDENTITY.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
+        _mesh_without_coords()
+        _memory_from_host(platform)
+        _no_tpu_compiler_options()
+        _copy_host_inputs()
+        _portable_default_attention()
+        _logger().info("tpu-models: running tpu-inference on JAX platform %r (compatibility "
+                       "layer)", platform)
+    _installed = True
+
+
+def attention_backend(vllm_config):
+    """The attention backend our models build: the one the engine is configured
+    with on TPU, the portable kernel elsewhere (RPA's Pallas kernel needs a TPU)."""
+    from tpu_inference.layers.common.attention_backend import (attention_backend_name,
+                                                               create_attention_backend)
+    name = attention_backend_name(vllm_config)
+    if host_platform() is not None:
+        from tpu_models.attention import PortableAttentionBackend
+        name = PortableAttentionBackend.name
+    return create_attention_backend(name)
+
+
+# --- host portability (off-TPU) ---------------------------------------------
+
+
+def _rebind(module_name: str, name: str, replacement) -> None:
+    """Replaces module_name.name, and every tpu_inference module that imported it by name."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("tpu_inference") and getattr(mod, name, None) is original:
+            setattr(mod, name, replacement)
+
+
+def _mesh_without_coords() -> None:
+    """1. CPU/GPU devices have no `.coords`: lay them out in id order."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    def make_mesh(axis_shapes, axis_names, *, devices=None):
+        import jax
+        devices = sorted(devices if devices is not None else jax.devices(), key=lambda d: d.id)
+        return Mesh(np.asarray(devices).reshape(axis_shapes), axis_names)
+
+    _rebind("tpu_inference.utils", "make_optimized_mesh", make_mesh)
+
+
+def kv_cache_budget(cache_config) -> int:
+    """Bytes for the KV cache: --kv-cache-memory-bytes, else a share of available memory."""
+    if cache_config.kv_cache_memory_bytes:
+        return int(cache_config.kv_cache_memory_bytes)
+    import psutil
+    return int(psutil.virtual_memory().available * KV_CACHE_SHARE)
+
+
+def _memory_from_host(platform: str) -> None:
+    """2. Size memory from host RAM; the KV cache gets an explicit budget."""
+    import jax
+    import psutil
+    from tpu_inference.platforms.tpu_platform import TpuPlatform
+    from tpu_inference.worker.tpu_worker import TPUWorker
+
+    def usage(devices):
+        # Live arrays per device against the host's RAM (devices share it).
+        used = {}
+        for array in jax.live_arrays():
+            for shard in array.addressable_shards:
+                used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
+        total = psutil.virtual_memory().total
+        return [(used.get(d, 0), total) for d in devices]
+
+    def determine_available_memory(self) -> int:
+        budget = kv_cache_budget(self.cache_config)
+        _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB (set it with "
+                       "--kv-cache-memory-bytes)", platform, budget / 2**30)
+        return budget
+
+    def mem_get_info(cls):
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+
+    _rebind("tpu_inference.utils", "hbm_usage_bytes", usage)
+    TPUWorker.determine_available_memory = determine_available_memory
+    TpuPlatform.mem_get_info = classmethod(mem_get_info)
+    TpuPlatform.get_device_name = classmethod(lambda cls, device_id=0: platform.upper())
+
+
+def _no_tpu_compiler_options() -> None:
+    """3. XLA off-TPU rejects xla_tpu_* options: compile without them."""
+    import jax
+
+    module = "tpu_inference.models.common.compiler_options"
+    _rebind(module, "get_step_fn_compiler_options", lambda: {})
+    _rebind(module, "get_sampling_compiler_options", lambda: {})
+    # The sampler took its options when it was decorated, at import (before
+    # plugins load): jit it again without them, with its own static arguments.
+    sampling = importlib.import_module("tpu_inference.layers.jax.sample.sampling")
+    _rebind(sampling.__name__, "sample",
+            jax.jit(sampling.sample.__wrapped__,
+                    static_argnames=["mesh", "allow_distributed_sampling"]))
+
+
+def _copy_host_inputs() -> None:
+    """5. On CPU, device_put may alias a numpy buffer instead of copying it.
+
+    The runner refills the same host buffers (positions, page tables, ...) for
+    step N+1 while step N may still be running asynchronously; on TPU the
+    transfer copies them to HBM, on CPU the step would read the new values.
+    """
+    import jax
+    import numpy as np
+
+    module = importlib.import_module("tpu_inference.layers.common.utils")
+    original = module.general_device_put
+
+    def general_device_put(tensor, sharding, **kwargs):
+        tensor = jax.tree.map(lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x,
+                              tensor)
+        return original(tensor, sharding, **kwargs)
+
+    _rebind(module.__name__, "general_device_put", general_device_put)
+
+
+def _portable_default_attention() -> None:
+    """4. tpu-inference's own models hard-code the default (RPA) backend, whose
+    Pallas TPU kernel cannot run here: it runs the portable one instead."""
+    from tpu_inference.layers.common.attention_backend import RPAAttentionBackend
+
+    from tpu_models.attention import PortableAttentionBackend
+
+    portable = PortableAttentionBackend()
+    RPAAttentionBackend.get_kv_cache_shape = lambda self, *a: portable.get_kv_cache_shape(*a)
+    RPAAttentionBackend.attention = lambda self, *a, **kw: portable.attention(*a, **kw)
+
+
+# --- upstream fixes (every platform) -------------------------------------------
+
+
+def _grammar_rows_in_request_order() -> None:
+    """Guided decoding: give each request its own grammar bitmask row.
+
+    vLLM orders the bitmask rows as GrammarOutput.structured_output_request_ids
+    (scheduling order); tpu-inference 0.32.0 walks the ids *sorted* and takes
+    rows in that order, so with two or more concurrent guided requests a
+    request could be masked by another's grammar (the scheduler then rejects
+    the token and aborts it). Re-ordering the rows to sorted id order makes
+    both agree; a batch already in sorted order is unchanged.
+    """
+    from tpu_inference.runner.structured_decoding_manager import StructuredDecodingManager
+
+    original = StructuredDecodingManager.prepare_structured_decoding_input
+
+    def prepare_structured_decoding_input(self, logits, grammar_output):
+        ids = list(grammar_output.structured_output_request_ids)
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        if order != list(range(len(ids))):
+            grammar_output = dataclasses.replace(
+                grammar_output,
+                structured_output_request_ids=[ids[i] for i in order],
+                grammar_bitmask=grammar_output.grammar_bitmask[order],
+                num_acceptable_drafts=None if grammar_output.num_acceptable_drafts is None
+                else [grammar_output.num_acceptable_drafts[i] for i in order])
+        return original(self, logits, grammar_output)
+
+    StructuredDecodingManager.prepare_structured_decoding_input = prepare_structured_decoding_input
