@@ -40,12 +40,13 @@ def write_checkpoint(directory: Path, config: dict) -> tuple[int, int]:
     import orbax.checkpoint as ocp
 
     from loaders.maxtext import hf_to_maxtext
-    from loaders.tables import qwen3_table
+    from tpu_models import registry
 
+    arch = registry.by_export_name("qwen3-structural")
     rng = np.random.default_rng(0)
     hf = {name: rng.standard_normal(shape, dtype=np.float32) * 0.02
-          for name, shape in qwen3_table(config, structural=True).items()}
-    tree = hf_to_maxtext(hf, "qwen3-structural", config, scanned=True)
+          for name, shape in arch.hf_table(config)[0].items()}
+    tree = hf_to_maxtext(hf, arch.maxtext, config, scanned=True)
     del hf
     leaves = []
 

@@ -1,4 +1,9 @@
-"""Offline conversions that end in an HF checkpoint directory."""
+"""Offline conversions that end in an HF checkpoint directory.
+
+Each takes the architecture's registry entry (`arch`: its HF table, MaxText and
+Tunix mappings; see tpu_models/registry.py), looked up by the caller: loaders
+know checkpoint formats, not architectures.
+"""
 
 import json
 from pathlib import Path
@@ -6,10 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from loaders.hf import CheckpointError, HfCheckpoint
-from loaders.hf_writer import HfWriter
-from loaders.hf_writer import check_out as _check_out
+from loaders.hf_writer import HfWriter, check_out
 from loaders.lora import LoraAdapter
-from loaders.tables import check_checkpoint, check_config, read_config, table_for
+from loaders.rules import Rule
+from loaders.tables import check_checkpoint, check_config, read_config
 
 # Files that travel with the weights (config, generation defaults, tokenizer).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -23,7 +28,7 @@ def copy_side_files(source: Path, writer: HfWriter) -> None:
             writer.copy_file(source / name)
 
 
-def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
+def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *, arch,
                overwrite: bool = False) -> Path:
     """Writes base + LoRA adapter, merged, as a new HF checkpoint at `out`."""
     check_out(out, overwrite)
@@ -31,7 +36,7 @@ def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
     if not (base / "config.json").exists():
         raise CheckpointError(f"{base}: no config.json")
     config, _ = read_config(base)
-    table, optional = table_for(config)
+    table, optional = arch.hf_table(config)
     checkpoint = HfCheckpoint(base)
     check_checkpoint(checkpoint, config, table, optional=optional)
     adapter = LoraAdapter(adapter_dir)
@@ -49,7 +54,7 @@ GEMMA3_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_p
                           "model.multi_modal_projector.")
 
 
-def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *,
+def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *, arch,
                 overwrite: bool = False) -> Path:
     """Extracts the language model of a Gemma3ForConditionalGeneration checkpoint
     as a text-only Gemma3ForCausalLM checkpoint (same weights, renamed).
@@ -57,8 +62,6 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *,
     `text_config` is the complete text config (defaults filled in by the caller).
     """
     check_out(out, overwrite)
-    from loaders.tables import gemma3_table
-
     source = Path(source)
     checkpoint = HfCheckpoint(source)
     renames, unknown = {}, []
@@ -75,7 +78,7 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *,
     config = {**text_config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
     from loaders.hf import check_tensors
     check_tensors({new: (checkpoint.tensors[old].shape, checkpoint.tensors[old].file.name)
-                   for old, new in renames.items()}, gemma3_table(config), where=str(source))
+                   for old, new in renames.items()}, arch.hf_table(config)[0], where=str(source))
     with HfWriter(out, overwrite=overwrite) as writer:
         writer.add_all((renames[name], t) for name, t in checkpoint.iter_tensors() if name in renames)
         writer.write_json("config.json", config)
@@ -86,7 +89,7 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *,
 
 
 def plan_export(shape_of, leaves: set[str], rules: dict, table: dict, *, where: str,
-                optional: tuple = ()) -> list[tuple[str, "Rule"]]:
+                optional: tuple = ()) -> list[tuple[str, Rule]]:
     """Checks, from metadata alone, that `rules` turn the source leaves into exactly
     the HF tensors of `table`: returns [(hf_name, rule)] or raises naming the fault."""
     import jax
@@ -123,11 +126,6 @@ def plan_export(shape_of, leaves: set[str], rules: dict, table: dict, *, where: 
     return plan
 
 
-def check_out(out: str | Path, overwrite: bool) -> None:
-    """Refuses an existing output directory before any work (HfWriter checks again)."""
-    _check_out(out, overwrite)
-
-
 def _cast(array, dtype):
     import numpy as np
     if dtype is None:
@@ -141,7 +139,7 @@ def _config_with_dtype(config: dict, dtype: str | None) -> dict:
     return config if dtype is None else {**config, "dtype": dtype, "torch_dtype": dtype}
 
 
-def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *,
+def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
           lora_alpha: float | None = None, adapter_only: bool = False,
           dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
     """A Tunix checkpoint as an HF checkpoint (config and tokenizer from `base`).
@@ -161,15 +159,18 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *,
     if config is None:
         raise CheckpointError(f"{base}: no config.json (the HF checkpoint the run started from)")
     check_config(config, base / "config.json")
-    table, optional = table_for(config)
+    if arch.tunix is None:
+        raise CheckpointError(f"{base}/config.json: {arch.hf_name} has no Tunix layout")
+    table, optional = arch.hf_table(config)
     source = TunixCheckpoint(checkpoint)
+    source.check_family(arch.tunix, arch.hf_name)
     where = str(source.orbax.item)
 
     if not source.is_lora:
         if adapter_only:
             raise CheckpointError(f"{where}: --adapter-only needs a LoRA checkpoint; this one "
                                   "holds full weights")
-        rules = expand(source.weight_table(), config["num_hidden_layers"])
+        rules = expand(source.weight_table(arch.tunix), config["num_hidden_layers"])
         plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
                            optional=optional)
         with HfWriter(out, overwrite=overwrite) as writer:
@@ -180,7 +181,7 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *,
         return Path(out)
 
     alpha = lora_alpha if lora_alpha is not None else _alpha_from_metadata(source)
-    pairs = source.lora_pairs()
+    pairs = source.lora_pairs(arch.tunix)
     rank = next(iter(pairs.values()))[0].shape[0]
     peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
                    "use_rslora": False, "bias": "none", "base_model_name_or_path": str(base),
@@ -222,38 +223,6 @@ def _progress(items, progress, unit):
     return tqdm(items, desc=progress, unit=unit, disable=None)  # silent when not a terminal
 
 
-MAXTEXT_MODELS = ("qwen3-structural", "qwen3", "gemma3")
-
-
-def maxtext_config(model: str, dims: dict) -> dict:
-    """HF config.json for a MaxText decoder: sizes from the tensors, the rest from
-    MaxText's model configs (rope, norms, windows), which the checkpoint does not store."""
-    config = {**dims, "rms_norm_eps": 1e-6, "initializer_range": 0.02, "use_cache": True}
-    layers = dims["num_hidden_layers"]
-    if model == "gemma3":
-        config.update(
-            architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=dims["head_dim"],
-            sliding_window=1024, max_position_embeddings=131072,
-            final_logit_softcapping=None, attn_logit_softcapping=None,
-            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                         for i in range(layers)],
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                "rope_theta": 1_000_000.0},
-                             "sliding_attention": {"rope_type": "default",
-                                                   "rope_theta": 10_000.0}})
-        config.pop("attention_bias")
-    else:
-        config.update(
-            architectures=["Qwen3StructuralForCausalLM" if model == "qwen3-structural"
-                           else "Qwen3ForCausalLM"],
-            model_type="qwen3", hidden_act="silu", max_position_embeddings=40960,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-            use_sliding_window=False, sliding_window=None, max_window_layers=layers,
-            layer_types=["full_attention"] * layers, attention_dropout=0.0)
-    return config
-
-
 def _token_ids(tokenizer: Path) -> dict:
     """bos/eos ids named by tokenizer_config.json, looked up in tokenizer.json."""
     try:
@@ -273,7 +242,7 @@ def _token_ids(tokenizer: Path) -> dict:
     return out
 
 
-def maxtext(checkpoint: str | Path, model: str, out: str | Path, *,
+def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
             tokenizer: str | Path | None = None, dtype: str | None = None,
             overrides: dict | None = None, scan: str = "auto", scan_axis: int = 1,
             overwrite: bool = False, max_shard_bytes: int = 2**30, progress=None) -> Path:
@@ -283,24 +252,20 @@ def maxtext(checkpoint: str | Path, model: str, out: str | Path, *,
     renamed into place at the end."""
     check_out(out, overwrite)
     from loaders.maxtext import MaxTextCheckpoint
-    from loaders.tables import table_for
 
-    if model not in MAXTEXT_MODELS:
-        raise ValueError(f"--model {model!r}: one of {', '.join(MAXTEXT_MODELS)}")
+    if arch.maxtext is None:
+        raise ValueError(f"{arch.hf_name} has no MaxText layout")
     source = MaxTextCheckpoint(checkpoint, scan=scan, scan_axis=scan_axis)
     where = str(source.orbax.item)
-    config = maxtext_config(model, source.dims())
+    config = arch.maxtext.config(source.dims())
     if tokenizer is not None:
         config.update(_token_ids(Path(tokenizer)))
     config.update(overrides or {})
     if config["num_hidden_layers"] != source.layout.num_layers:
         raise CheckpointError(f"{where}: num_hidden_layers={config['num_hidden_layers']} but the "
                               f"checkpoint holds {source.layout.describe()}")
-    rules = source.rules(model)
-    if model == "qwen3-structural" and "structural_head.weight" not in rules:
-        raise CheckpointError(f"{where}: --model qwen3-structural, but no .../structural_head/"
-                              "kernel anywhere in the tree (export it as --model qwen3?)")
-    table, optional = table_for(config)
+    rules = source.rules(arch.maxtext)
+    table, optional = arch.hf_table(config)
     plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
                        optional=optional)
     out_dtype = dtype or str(np.dtype(source.orbax.leaves[source.leaves[plan[0][1].source]][1]))

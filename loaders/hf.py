@@ -114,11 +114,6 @@ class HfCheckpoint:
                         check_finite_tensor(tensor, f"{file}: tensor {name}")
                     yield name, tensor
 
-    def read(self, name: str, framework: str = "pt"):
-        info = self.tensors[name]
-        with _open(info.file, framework) as f:
-            return f.get_tensor(name)
-
 
 def check_finite(tensors: Iterable[tuple[str, object]], where: str
                  ) -> Iterator[tuple[str, object]]:

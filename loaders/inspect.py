@@ -5,8 +5,10 @@ from pathlib import Path
 from loaders.hf import CheckpointError, HfCheckpoint
 
 
-def describe(path: str | Path) -> dict:
-    """{"format", "layout", "tensors": [(name, shape, dtype)], "notes"} for HF, MaxText or Tunix."""
+def describe(path: str | Path, tunix_families: dict | None = None) -> dict:
+    """{"format", "layout", "tensors": [(name, shape, dtype)], "notes"} for HF, MaxText or Tunix.
+
+    tunix_families: name -> loaders.tunix.TunixMapping, to name a Tunix tree's model family."""
     path = Path(path)
     orbax = any((path / p).exists() for p in ("_METADATA", "checkpoints", "items", "model_params"))
     if not orbax and (list(path.glob("*.safetensors")) or (path / "adapter_config.json").exists()):
@@ -36,16 +38,18 @@ def describe(path: str | Path) -> dict:
         from loaders.tunix import TunixCheckpoint
         tunix = TunixCheckpoint(path)
         kind = "LoRA-only (qwix *_lora_a / *_lora_b)" if tunix.is_lora else "full weights"
-        return {"format": "Tunix", "layout": f"{tunix.family}, {kind}", "tensors": tensors,
+        family = next((name for name, mapping in (tunix_families or {}).items()
+                       if mapping.matches(tunix.leaves)), "unknown family")
+        return {"format": "Tunix", "layout": f"{family}, {kind}", "tensors": tensors,
                 "notes": [f"item directory: {orbax.item}"]}
     raise CheckpointError(f"{orbax.item}: an Orbax tree neither MaxText nor Tunix lays out")
 
 
-def print_description(path: str | Path) -> None:
+def print_description(path: str | Path, tunix_families: dict | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    info = describe(path)
+    info = describe(path, tunix_families)
     console = Console(width=160)
     console.print(f"[bold]{path}[/bold]: {info['format']} — {info['layout']}")
     for note in info["notes"]:

@@ -18,16 +18,17 @@ again). We undo both exactly (fp64 arithmetic, one rounding), so the HF model
 computes MaxText's function; MaxText's own converter divides by a
 bfloat16-rounded sqrt(D) instead, which shifts logits by up to 0.2%.
 
-The structural head (our MaxText fork's Dense D->D before the logits) is
-found wherever it sits: any `.../structural_head/{kernel, bias}`.
+Each architecture's mapping (MaxTextMapping, in tpu_models/<arch>/checkpoints.py)
+names its layer's leaves and conventions; Dense layers our fork adds (the
+structural head) are found wherever they sit: any `.../structural_head/{kernel, bias}`.
 
 The same tables, read backwards (`hf_to_maxtext`), write MaxText's layout
 from HF tensors; the tests build fixtures that way.
 """
 
 import dataclasses
-import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,9 +36,9 @@ from loaders.hf import CheckpointError
 from loaders.orbax_io import OrbaxCheckpoint
 from loaders.rules import Rule
 
-GEMMA3_PERIOD = 6  # layers per scanned block: 5 local, then 1 global
-
-_PROJECTIONS = {
+# MaxText's decoder layer, HF name below model.layers.{i}. -> leaf below the
+# layer's subtree; each architecture adds its norms (tpu_models/<arch>/checkpoints.py).
+PROJECTIONS = {
     "self_attn.q_proj.weight": Rule("self_attention/query/kernel", "d n h -> (n h) d"),
     "self_attn.k_proj.weight": Rule("self_attention/key/kernel", "d k h -> (k h) d"),
     "self_attn.v_proj.weight": Rule("self_attention/value/kernel", "d k h -> (k h) d"),
@@ -46,48 +47,36 @@ _PROJECTIONS = {
     "mlp.up_proj.weight": Rule("mlp/wi_1/kernel", "d f -> f d"),
     "mlp.down_proj.weight": Rule("mlp/wo/kernel", "f d -> d f"),
 }
-_BIASES = {
+BIASES = {
     "self_attn.q_proj.bias": Rule("self_attention/query/bias", "n h -> (n h)"),
     "self_attn.k_proj.bias": Rule("self_attention/key/bias", "k h -> (k h)"),
     "self_attn.v_proj.bias": Rule("self_attention/value/bias", "k h -> (k h)"),
     "self_attn.o_proj.bias": Rule("self_attention/out/bias"),
 }
 
-# HF name below model.layers.{i}. -> leaf below the layer's subtree
-QWEN3_LAYER = {
-    "input_layernorm.weight": Rule("pre_self_attention_layer_norm/scale"),
-    "post_attention_layernorm.weight": Rule("post_self_attention_layer_norm/scale"),
-    "self_attn.q_norm.weight": Rule("self_attention/query_norm/scale"),
-    "self_attn.k_norm.weight": Rule("self_attention/key_norm/scale"),
-    **_PROJECTIONS,
-}
-GEMMA3_LAYER = {  # MaxText stores 1 + HF's norm weight
-    "input_layernorm.weight": Rule("pre_self_attention_norm/scale", offset=-1.0),
-    "post_attention_layernorm.weight": Rule("post_self_attention_norm/scale", offset=-1.0),
-    "pre_feedforward_layernorm.weight": Rule("pre_ffw_norm/scale", offset=-1.0),
-    "post_feedforward_layernorm.weight": Rule("post_ffw_norm/scale", offset=-1.0),
-    "self_attn.q_norm.weight": Rule("self_attention/query_norm/scale", offset=-1.0),
-    "self_attn.k_norm.weight": Rule("self_attention/key_norm/scale", offset=-1.0),
-    **_PROJECTIONS,
-}
 
-
-def global_rules(model: str, hidden_size: int) -> dict[str, Rule]:
-    gemma = model == "gemma3"
-    rules = {
-        "model.embed_tokens.weight": Rule("token_embedder/embedding",
-                                          scale=1 / math.sqrt(hidden_size) if gemma else 1.0),
-        "model.norm.weight": Rule("decoder/decoder_norm/scale", offset=-1.0 if gemma else 0.0),
+def decoder_globals(*, embedding_scale: float = 1.0, norm_offset: float = 0.0) -> dict[str, Rule]:
+    """Embedding, final norm and untied logits, with the value conventions that differ."""
+    return {
+        "model.embed_tokens.weight": Rule("token_embedder/embedding", scale=embedding_scale),
+        "model.norm.weight": Rule("decoder/decoder_norm/scale", offset=norm_offset),
         "lm_head.weight": Rule("decoder/logits_dense/kernel", "d v -> v d"),
     }
-    return rules
 
 
-def layer_rules(model: str, attention_bias: bool) -> dict[str, Rule]:
-    rules = dict(GEMMA3_LAYER if model == "gemma3" else QWEN3_LAYER)
-    if attention_bias:
-        rules.update(_BIASES)
-    return rules
+@dataclasses.dataclass(frozen=True)
+class MaxTextMapping:
+    """One architecture's MaxText decoder, as HF names."""
+    layer: dict[str, Rule]  # HF name below model.layers.{i}. -> leaf below the layer's subtree
+    globals: Callable[[int], dict[str, Rule]]  # hidden size -> decoder_globals(...)
+    config: Callable[[dict], dict]  # sizes read off the tensors -> HF config.json
+    scan_period: int = 0  # scanned checkpoints stack blocks of this many layers (Gemma 3: 6)
+    # Dense layers our MaxText fork adds, found wherever they sit in the tree:
+    # .../<name>/{kernel, bias} -> HF <name>.{weight, bias}; required when listed.
+    dense_heads: tuple[str, ...] = ()
+
+    def layer_rules(self, attention_bias: bool) -> dict[str, Rule]:
+        return {**self.layer, **(BIASES if attention_bias else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,15 +168,17 @@ class MaxTextCheckpoint:
                 else "parameters only")
         return f"{kind}, {self.layout.describe()}"
 
-    def structural_head(self) -> dict[str, Rule]:
-        kernels = [n for n in self.leaves if n.endswith("structural_head/kernel")]
+    def dense_head(self, name: str) -> dict[str, Rule]:
+        """Rules for HF `name`.{weight, bias} from the one .../<name>/{kernel, bias} in the tree."""
+        kernels = [n for n in self.leaves if n.endswith(f"{name}/kernel")]
         if len(kernels) > 1:
-            raise CheckpointError(f"{self.orbax.item}: several structural heads: {kernels}")
+            raise CheckpointError(f"{self.orbax.item}: several {name}s: {kernels}")
         if not kernels:
-            return {}
+            raise CheckpointError(f"{self.orbax.item}: no .../{name}/kernel anywhere in the tree "
+                                  "(exported as the wrong --model?)")
         base = kernels[0].removesuffix("/kernel")
-        return {"structural_head.weight": Rule(f"{base}/kernel", "i o -> o i"),
-                "structural_head.bias": Rule(f"{base}/bias")}
+        return {f"{name}.weight": Rule(f"{base}/kernel", "i o -> o i"),
+                f"{name}.bias": Rule(f"{base}/bias")}
 
     def dims(self) -> dict[str, int]:
         """Sizes read off the tensors: vocab, hidden, heads, kv heads, head_dim, mlp, layers."""
@@ -209,44 +200,44 @@ class MaxTextCheckpoint:
                 "tie_word_embeddings": "decoder/logits_dense/kernel" not in self.leaves,
                 "attention_bias": any(n.endswith("self_attention/query/bias") for n in self.leaves)}
 
-    def rules(self, model: str) -> dict[str, Rule]:
+    def rules(self, mapping: MaxTextMapping) -> dict[str, Rule]:
         """HF name -> Rule over this checkpoint's leaves."""
         dims = self.dims()
-        rules = global_rules(model, dims["hidden_size"])
+        rules = mapping.globals(dims["hidden_size"])
         if dims["tie_word_embeddings"]:
             rules.pop("lm_head.weight")
         for i in range(self.layout.num_layers):
             place, index = self.layout.place(i)
-            for suffix, rule in layer_rules(model, dims["attention_bias"]).items():
+            for suffix, rule in mapping.layer_rules(dims["attention_bias"]).items():
                 rules[f"model.layers.{i}.{suffix}"] = dataclasses.replace(
                     rule, source=f"{place}/{rule.source}", index=index,
                     index_axis=self.layout.scan_axis)
-        if model == "qwen3-structural":
-            rules.update(self.structural_head())
+        for name in mapping.dense_heads:
+            rules.update(self.dense_head(name))
         return rules
 
 
-def hf_to_maxtext(hf: dict[str, np.ndarray], model: str, config: dict, *, scanned: bool,
-                  scan_axis: int = 1) -> dict:
+def hf_to_maxtext(hf: dict[str, np.ndarray], mapping: MaxTextMapping, config: dict, *,
+                  scanned: bool, scan_axis: int = 1) -> dict:
     """MaxText's Linen parameter tree (below params/params) for HF tensors: the
     inverse of MaxTextCheckpoint.rules, for fixtures and benchmarks."""
     num_layers = config["num_hidden_layers"]
     sizes = {"n": config["num_attention_heads"], "k": config["num_key_value_heads"],
              "h": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]}
-    period = GEMMA3_PERIOD if model == "gemma3" and scanned else 0
+    period = mapping.scan_period if scanned else 0
     blocks = num_layers // period if period else 0
     layout = Layout(scanned, num_layers, period, blocks, scan_axis)
     flat: dict[str, np.ndarray] = {}
     stacks: dict[str, dict[int, np.ndarray]] = {}
-    for name, rule in global_rules(model, config["hidden_size"]).items():
+    for name, rule in mapping.globals(config["hidden_size"]).items():
         if name in hf:
             flat[rule.source] = rule.to_source_array(hf[name], sizes)
-    if "structural_head.weight" in hf:
-        flat["decoder/structural_head/kernel"] = hf["structural_head.weight"].T.copy()
-        flat["decoder/structural_head/bias"] = hf["structural_head.bias"]
+    for name in mapping.dense_heads:
+        flat[f"decoder/{name}/kernel"] = hf[f"{name}.weight"].T.copy()
+        flat[f"decoder/{name}/bias"] = hf[f"{name}.bias"]
     for i in range(num_layers):
         place, index = layout.place(i)
-        for suffix, rule in layer_rules(model, config.get("attention_bias", False)).items():
+        for suffix, rule in mapping.layer_rules(config.get("attention_bias", False)).items():
             array = rule.to_source_array(hf[f"model.layers.{i}.{suffix}"], sizes)
             if index is None:
                 flat[f"{place}/{rule.source}"] = array

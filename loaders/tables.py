@@ -1,8 +1,10 @@
-"""Name/shape tables of the HF checkpoint formats we serve.
+"""Name/shape tables of HF decoder checkpoints, and the checks made against them.
 
-One literal table per format, `{i}` standing for the layer index and symbolic
-dimensions resolved from config.json. The loader checks a checkpoint against
-its table before reading a weight; the exporters write exactly these names.
+A table is literal, `{i}` standing for the layer index and symbolic dimensions
+resolved from config.json. Each architecture composes its table from the
+pieces here (tpu_models/<arch>/checkpoints.py). The loader checks a checkpoint
+against its table before reading a weight; the exporters write exactly these
+names.
 """
 
 import json
@@ -13,8 +15,14 @@ from typing import Any
 
 from loaders.hf import CheckpointError, tensor_problems
 
-# Shared by Qwen3 and Gemma 3 decoders: HF Linear weights are [out, in].
-_ATTENTION = {
+# The HF decoder tensors our architectures share, `{i}` the layer (HF Linear
+# weights are [out, in]); each architecture's table (tpu_models/<arch>/checkpoints.py)
+# is these plus its own.
+EMBEDDING_AND_NORM = {
+    "model.embed_tokens.weight": ("vocab", "hidden"),
+    "model.norm.weight": ("hidden",),
+}
+ATTENTION = {
     "model.layers.{i}.self_attn.q_proj.weight": ("q_size", "hidden"),
     "model.layers.{i}.self_attn.k_proj.weight": ("kv_size", "hidden"),
     "model.layers.{i}.self_attn.v_proj.weight": ("kv_size", "hidden"),
@@ -22,43 +30,18 @@ _ATTENTION = {
     "model.layers.{i}.self_attn.q_norm.weight": ("head_dim",),
     "model.layers.{i}.self_attn.k_norm.weight": ("head_dim",),
 }
-_ATTENTION_BIAS = {
+ATTENTION_BIAS = {
     "model.layers.{i}.self_attn.q_proj.bias": ("q_size",),
     "model.layers.{i}.self_attn.k_proj.bias": ("kv_size",),
     "model.layers.{i}.self_attn.v_proj.bias": ("kv_size",),
     "model.layers.{i}.self_attn.o_proj.bias": ("hidden",),
 }
-_MLP = {
+MLP = {
     "model.layers.{i}.mlp.gate_proj.weight": ("intermediate", "hidden"),
     "model.layers.{i}.mlp.up_proj.weight": ("intermediate", "hidden"),
     "model.layers.{i}.mlp.down_proj.weight": ("hidden", "intermediate"),
 }
-
-QWEN3_LAYER = {
-    "model.layers.{i}.input_layernorm.weight": ("hidden",),
-    **_ATTENTION,
-    "model.layers.{i}.post_attention_layernorm.weight": ("hidden",),
-    **_MLP,
-}
-QWEN3 = {
-    "model.embed_tokens.weight": ("vocab", "hidden"),
-    "model.norm.weight": ("hidden",),
-}
 UNTIED_HEAD = {"lm_head.weight": ("vocab", "hidden")}
-STRUCTURAL_HEAD = {
-    "structural_head.weight": ("hidden", "hidden"),  # [out, in], as torch.nn.Linear
-    "structural_head.bias": ("hidden",),
-}
-
-GEMMA3_LAYER = {
-    "model.layers.{i}.input_layernorm.weight": ("hidden",),
-    **_ATTENTION,
-    "model.layers.{i}.post_attention_layernorm.weight": ("hidden",),
-    "model.layers.{i}.pre_feedforward_layernorm.weight": ("hidden",),
-    **_MLP,
-    "model.layers.{i}.post_feedforward_layernorm.weight": ("hidden",),
-}
-GEMMA3 = QWEN3
 
 # LoRA can target these projections; the merge looks them up here.
 PROJECTIONS = {
@@ -99,39 +82,19 @@ def _get(config, key, default=None):
     return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
 
 
-def qwen3_table(config: Any, *, structural: bool) -> dict[str, tuple[int, ...]]:
-    """Tensors of a Qwen3 (structural=False) or Qwen3-structural checkpoint."""
-    table = {**QWEN3, **QWEN3_LAYER}
+def decoder_table(config: Any, layer: Mapping[str, tuple], *, tied: bool,
+                  extra: Mapping[str, tuple] | None = None
+                  ) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """(name -> shape, optional names) of a decoder checkpoint: embedding and final
+    norm, `layer` per layer (biases when config.json says so), lm_head unless
+    `tied` (then an lm_head copy may be present), and `extra` tensors."""
+    table = {**EMBEDDING_AND_NORM, **layer, **(extra or {})}
     if _get(config, "attention_bias", False):
-        table.update(_ATTENTION_BIAS)
-    if not _get(config, "tie_word_embeddings", False):
+        table.update(ATTENTION_BIAS)
+    if not tied:
         table.update(UNTIED_HEAD)
-    if structural:
-        table.update(STRUCTURAL_HEAD)
-    return resolve(table, _get(config, "num_hidden_layers"), dims(config))
-
-
-def gemma3_table(config: Any) -> dict[str, tuple[int, ...]]:
-    """Tensors of a Gemma 3 text checkpoint (always tied embeddings)."""
-    table = {**GEMMA3, **GEMMA3_LAYER}
-    if _get(config, "attention_bias", False):
-        table.update(_ATTENTION_BIAS)
-    return resolve(table, _get(config, "num_hidden_layers"), dims(config))
-
-
-def table_for(config: Any) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-    """(table, optional tensor names) for a config.json of an architecture we serve."""
-    arch = (_get(config, "architectures") or [None])[0]
-    tied = _get(config, "tie_word_embeddings", False)
-    optional = ["lm_head.weight"] if tied else []
-    if arch == "Qwen3StructuralForCausalLM":
-        return qwen3_table(config, structural=True), optional
-    if arch == "Qwen3ForCausalLM":
-        return qwen3_table(config, structural=False), optional
-    if arch == "Gemma3ForCausalLM":
-        return gemma3_table(config), []
-    raise ValueError(f"architecture {arch!r} has no checkpoint table (known: "
-                     "Qwen3StructuralForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)")
+    optional = ("lm_head.weight", ) if tied else ()
+    return resolve(table, _get(config, "num_hidden_layers"), dims(config)), optional
 
 
 # config.json fields that size the tensors. transformers fills a missing one with

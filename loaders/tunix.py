@@ -26,51 +26,11 @@ from loaders.hf import CheckpointError
 from loaders.orbax_io import OrbaxCheckpoint
 from loaders.rules import Rule
 
-_NORMS_GEMMA3 = {
-    "model.layers.{i}.input_layernorm.weight": Rule("layers/{i}/pre_attention_norm/scale"),
-    "model.layers.{i}.post_attention_layernorm.weight": Rule("layers/{i}/post_attention_norm/scale"),
-    "model.layers.{i}.pre_feedforward_layernorm.weight": Rule("layers/{i}/pre_ffw_norm/scale"),
-    "model.layers.{i}.post_feedforward_layernorm.weight": Rule("layers/{i}/post_ffw_norm/scale"),
-    "model.layers.{i}.self_attn.q_norm.weight": Rule("layers/{i}/attn/_query_norm/scale"),
-    "model.layers.{i}.self_attn.k_norm.weight": Rule("layers/{i}/attn/_key_norm/scale"),
-}
-_MLP = {
+# Tunix's MLP (both families), HF name -> Rule.
+MLP = {
     "model.layers.{i}.mlp.gate_proj.weight": Rule("layers/{i}/mlp/gate_proj/kernel", "d f -> f d"),
     "model.layers.{i}.mlp.up_proj.weight": Rule("layers/{i}/mlp/up_proj/kernel", "d f -> f d"),
     "model.layers.{i}.mlp.down_proj.weight": Rule("layers/{i}/mlp/down_proj/kernel", "f d -> d f"),
-}
-
-GEMMA3 = {
-    "model.embed_tokens.weight": Rule("embedder/input_embedding"),
-    "model.norm.weight": Rule("final_norm/scale"),
-    **_NORMS_GEMMA3,
-    "model.layers.{i}.self_attn.q_proj.weight": Rule("layers/{i}/attn/q_einsum/w", "n d h -> (n h) d"),
-    "model.layers.{i}.self_attn.k_proj.weight": Rule("layers/{i}/attn/kv_einsum/w", "k d h -> (k h) d", 0),
-    "model.layers.{i}.self_attn.v_proj.weight": Rule("layers/{i}/attn/kv_einsum/w", "k d h -> (k h) d", 1),
-    "model.layers.{i}.self_attn.o_proj.weight": Rule("layers/{i}/attn/attn_vec_einsum/w", "n h d -> d (n h)"),
-    **_MLP,
-}
-# Gemma 3 with as many KV heads as query heads fuses q, k and v.
-GEMMA3_MHA = {
-    **GEMMA3,
-    "model.layers.{i}.self_attn.q_proj.weight": Rule("layers/{i}/attn/qkv_einsum/w", "n d h -> (n h) d", 0),
-    "model.layers.{i}.self_attn.k_proj.weight": Rule("layers/{i}/attn/qkv_einsum/w", "n d h -> (n h) d", 1),
-    "model.layers.{i}.self_attn.v_proj.weight": Rule("layers/{i}/attn/qkv_einsum/w", "n d h -> (n h) d", 2),
-}
-
-QWEN3 = {
-    "model.embed_tokens.weight": Rule("embedder/input_embedding"),
-    "model.norm.weight": Rule("final_norm/w"),
-    "lm_head.weight": Rule("lm_head/w", "d v -> v d"),  # untied only
-    "model.layers.{i}.input_layernorm.weight": Rule("layers/{i}/input_layernorm/w"),
-    "model.layers.{i}.post_attention_layernorm.weight": Rule("layers/{i}/post_attention_layernorm/w"),
-    "model.layers.{i}.self_attn.q_norm.weight": Rule("layers/{i}/attn/q_norm/w"),
-    "model.layers.{i}.self_attn.k_norm.weight": Rule("layers/{i}/attn/k_norm/w"),
-    "model.layers.{i}.self_attn.q_proj.weight": Rule("layers/{i}/attn/q_proj/w", "d n h -> (n h) d"),
-    "model.layers.{i}.self_attn.k_proj.weight": Rule("layers/{i}/attn/k_proj/w", "d k h -> (k h) d"),
-    "model.layers.{i}.self_attn.v_proj.weight": Rule("layers/{i}/attn/v_proj/w", "d k h -> (k h) d"),
-    "model.layers.{i}.self_attn.o_proj.weight": Rule("layers/{i}/attn/o_proj/w", "n h d -> d (n h)"),
-    **_MLP,
 }
 
 
@@ -83,50 +43,45 @@ class LoraRule:
     index: int | None = None  # which part of a fused weight (qwix B axis 1)
 
 
-_MLP_LORA = {
+MLP_LORA = {
     "layers/{i}/mlp/gate_proj/kernel": [LoraRule("model.layers.{i}.mlp.gate_proj", "i r -> r i", "r o -> o r")],
     "layers/{i}/mlp/up_proj/kernel": [LoraRule("model.layers.{i}.mlp.up_proj", "i r -> r i", "r o -> o r")],
     "layers/{i}/mlp/down_proj/kernel": [LoraRule("model.layers.{i}.mlp.down_proj", "i r -> r i", "r o -> o r")],
 }
-GEMMA3_LORA = {
-    "layers/{i}/attn/q_einsum/w": [LoraRule("model.layers.{i}.self_attn.q_proj", "d r -> r d", "r n h -> (n h) r")],
-    "layers/{i}/attn/kv_einsum/w": [
-        LoraRule(f"model.layers.{{i}}.self_attn.{p}_proj", "d r -> r d", "r k h -> (k h) r", j)
-        for j, p in enumerate("kv")],
-    "layers/{i}/attn/qkv_einsum/w": [
-        LoraRule(f"model.layers.{{i}}.self_attn.{p}_proj", "d r -> r d", "r n h -> (n h) r", j)
-        for j, p in enumerate("qkv")],
-    "layers/{i}/attn/attn_vec_einsum/w": [
-        LoraRule("model.layers.{i}.self_attn.o_proj", "n h r -> r (n h)", "r d -> d r")],
-    **_MLP_LORA,
-}
-QWEN3_LORA = {
-    **{f"layers/{{i}}/attn/{p}_proj/w": [
-        LoraRule(f"model.layers.{{i}}.self_attn.{p}_proj", "d r -> r d", "r n h -> (n h) r")]
-       for p in "qkv"},
-    "layers/{i}/attn/o_proj/w": [LoraRule("model.layers.{i}.self_attn.o_proj", "n h r -> r (n h)", "r d -> d r")],
-    **_MLP_LORA,
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class TunixMapping:
+    """One Tunix model family's parameter tree, as HF names."""
+    markers: tuple[str, ...]  # leaf fragments only this family's trees have
+    weights: dict[str, Rule]  # HF name -> Rule, `{i}` the layer
+    lora: dict[str, list[LoraRule]]  # Tunix weight (`{i}` the layer) -> the HF modules it feeds
+    # Trees holding one of these fragments use `fused_weights` instead (Gemma 3's qkv_einsum).
+    fused_markers: tuple[str, ...] = ()
+    fused_weights: dict[str, Rule] | None = None
+
+    def matches(self, leaves) -> bool:
+        return any(m in leaf for leaf in leaves for m in self.markers)
+
+    def weight_rules(self, leaves) -> dict[str, Rule]:
+        fused = any(m in leaf for leaf in leaves for m in self.fused_markers)
+        return self.fused_weights if fused else self.weights
 
 
 class TunixCheckpoint:
-    """A Tunix model_params tree, with its family (gemma3 / qwen3) and kind (full / LoRA)."""
+    """A Tunix model_params tree, full weights or LoRA-only."""
 
     def __init__(self, path):
         self.orbax = OrbaxCheckpoint(path)
         self.leaves = {name.removesuffix("/value"): name for name in self.orbax.leaves}
-        names = set(self.leaves)
-        if not names:
+        if not self.leaves:
             raise CheckpointError(f"{self.orbax.item}: empty parameter tree")
-        self.is_lora = all(n.endswith(("_lora_a", "_lora_b")) for n in names)
-        if any("/attn/q_einsum/" in n or "/attn/qkv_einsum/" in n or "/attn/attn_vec_einsum/" in n
-               for n in names):
-            self.family = "gemma3"
-        elif any("/attn/q_proj/" in n for n in names):
-            self.family = "qwen3"
-        else:
-            raise CheckpointError(f"{self.orbax.item}: neither a Tunix Gemma 3 nor Qwen3 tree "
-                                  f"(first leaves: {sorted(names)[:4]})")
+        self.is_lora = all(n.endswith(("_lora_a", "_lora_b")) for n in self.leaves)
+
+    def check_family(self, mapping: TunixMapping, name: str) -> None:
+        if not mapping.matches(self.leaves):
+            raise CheckpointError(f"{self.orbax.item}: not a Tunix {name} tree (first leaves: "
+                                  f"{sorted(self.leaves)[:4]}); is --base the right model?")
 
     def shape(self, leaf: str) -> tuple[int, ...]:
         return self.orbax.leaves[self.leaves[leaf]][0]
@@ -136,20 +91,18 @@ class TunixCheckpoint:
             raise CheckpointError(f"{self.orbax.item}: no tensor {leaf}")
         return self.orbax.read(self.leaves[leaf])
 
-    def weight_table(self) -> dict[str, Rule]:
-        if self.family == "qwen3":
-            return QWEN3
-        fused = any("/attn/qkv_einsum/" in n for n in self.leaves)
-        return GEMMA3_MHA if fused else GEMMA3
+    def weight_table(self, mapping: TunixMapping) -> dict[str, Rule]:
+        return mapping.weight_rules(self.leaves)
 
-    def lora_pairs(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def lora_pairs(self, mapping: TunixMapping) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """HF module weight name -> (PEFT A [r, in], PEFT B [out, r]), fp32."""
-        table = GEMMA3_LORA if self.family == "gemma3" else QWEN3_LORA
+        from einops import rearrange
+
         weights = sorted({n.rsplit("_lora_", 1)[0] for n in self.leaves})
         pairs = {}
         for weight in weights:
             layer, pattern = _layer_pattern(weight)
-            rules = table.get(pattern)
+            rules = mapping.lora.get(pattern)
             if rules is None:
                 raise CheckpointError(f"{self.orbax.item}: LoRA on {weight}, which has no HF "
                                       "projection to merge into")
@@ -159,7 +112,6 @@ class TunixCheckpoint:
                                       f"lora_b {list(b.shape)} disagree on the rank")
             for rule in rules:
                 part = b if rule.index is None else np.take(b, rule.index, axis=1)
-                from einops import rearrange
                 name = rule.module.format(i=layer) + ".weight"
                 pairs[name] = (rearrange(a.astype(np.float32), rule.a),
                                rearrange(part.astype(np.float32), rule.b))

@@ -25,9 +25,10 @@ from typing import Any, Mapping
 
 SUPPORTED = ("compressed-tensors FP8: float8 weights with per-channel scales "
              "(strategy 'channel') and dynamic per-token float8 activations")
-# HF modules that are torch Linear layers in our architectures (what the
-# compressed-tensors target "Linear" selects).
-LINEAR = re.compile(r"(model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj|structural_head|lm_head)")
+# HF modules that are torch Linear layers in the shared decoder (what the
+# compressed-tensors target "Linear" selects); architectures add their own
+# (`extra_linear`, e.g. the structural head).
+DECODER_LINEAR = r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj|lm_head"
 
 
 class UnsupportedQuantization(ValueError):
@@ -95,15 +96,16 @@ def _matches(name: str, patterns) -> bool:
     return False
 
 
-def quantized_modules(table: Mapping[str, tuple], quantization_config: Mapping[str, Any]
-                      ) -> list[str]:
+def quantized_modules(table: Mapping[str, tuple], quantization_config: Mapping[str, Any],
+                      extra_linear=()) -> list[str]:
     """Linear modules of `table` the checkpoint stores quantized."""
+    linear = re.compile("|".join([DECODER_LINEAR, *map(re.escape, extra_linear)]))
     groups = quantization_config.get("config_groups") or {}
     ignore = quantization_config.get("ignore") or ()
     out = []
     for tensor in table:
         module = tensor.removesuffix(".weight")
-        if module == tensor or not LINEAR.fullmatch(module) or _matches(module, ignore):
+        if module == tensor or not linear.fullmatch(module) or _matches(module, ignore):
             continue
         if any("Linear" in (g.get("targets") or ()) or _matches(module, g.get("targets"))
                for g in groups.values()):
@@ -112,11 +114,11 @@ def quantized_modules(table: Mapping[str, tuple], quantization_config: Mapping[s
 
 
 def checkpoint_table(table: Mapping[str, tuple], quantization_config: Mapping[str, Any],
-                     where: str = "config.json") -> dict[str, tuple]:
+                     where: str = "config.json", extra_linear=()) -> dict[str, tuple]:
     """`table` plus the per-channel scale of every quantized weight."""
     check_scheme(quantization_config, where)
     expected = dict(table)
-    for module in quantized_modules(table, quantization_config):
+    for module in quantized_modules(table, quantization_config, extra_linear):
         if module == "lm_head":
             raise UnsupportedQuantization(
                 f"{where}: lm_head is quantized in this checkpoint, but tpu-inference's "

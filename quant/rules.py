@@ -20,7 +20,6 @@ quantize nothing) after the model is built; `load()` fails first, naming the
 file, the rule and the field.
 """
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -173,21 +172,3 @@ def _check_calibration(method, where: str) -> None:
     if not low <= len(values) <= high:
         raise RulesError(f"{where}: {name} takes {low}..{high} numeric argument(s), "
                          f"got {method!r}")
-
-
-def to_qwix_rules(config: dict) -> list:
-    """`load()`'s result as qwix.QuantizationRule objects (imports qwix, hence JAX)."""
-    import qwix
-    return [qwix.QuantizationRule(**rule) for rule in config["qwix"]["rules"]]
-
-
-def describe(spec: str) -> str:
-    """The preset's one-line description ('' if none)."""
-    document = yaml.safe_load(resolve(spec).read_text()) or {}
-    return document.get("description", "") if isinstance(document, dict) else ""
-
-
-def qwix_rule_fields() -> tuple[str, ...]:
-    """The installed qwix's QuantizationRule fields (for checking RULE_FIELDS)."""
-    import qwix
-    return tuple(f.name for f in dataclasses.fields(qwix.QuantizationRule))

@@ -208,11 +208,13 @@ def main():
     import orbax.checkpoint as ocp
 
     from loaders.export import maxtext
+    from tpu_models import registry
     run = work / "maxtext-run"
     ocp.PyTreeCheckpointer().save((run / "checkpoints" / str(args.steps) / "items").absolute(),
                                   {"params": {"params": jax.tree.map(np.asarray, params)}})
     c = CONFIG
-    out = maxtext(run, "qwen3-structural", args.out, tokenizer=work / "tokenizer", overwrite=True,
+    out = maxtext(run, registry.by_export_name("qwen3-structural"), args.out,
+                  tokenizer=work / "tokenizer", overwrite=True,
                   overrides={"rope_parameters": {"rope_type": "default",
                                                  "rope_theta": c["rope_theta"]},
                              "max_position_embeddings": 1024, "rms_norm_eps": c["eps"],

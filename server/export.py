@@ -6,6 +6,7 @@ import signal
 import sys
 
 from loaders.hf import CheckpointError
+from tpu_models import registry
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,7 +20,7 @@ def parser() -> argparse.ArgumentParser:
     merge.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     maxtext = sub.add_parser("maxtext", help="a MaxText checkpoint (scanned or not) -> HF")
     maxtext.add_argument("checkpoint", help="MaxText run directory, checkpoints/, <step>/ or items/")
-    maxtext.add_argument("--model", required=True, choices=["qwen3-structural", "qwen3", "gemma3"])
+    maxtext.add_argument("--model", required=True, choices=registry.export_names("maxtext"))
     maxtext.add_argument("--out", required=True, help="directory to create")
     maxtext.add_argument("--tokenizer", help="directory with the tokenizer files to ship")
     maxtext.add_argument("--dtype", choices=["bfloat16", "float32"],
@@ -90,21 +91,25 @@ def main(argv: list[str]) -> None:
     try:
         if args.kind == "lora-merge":
             from loaders.export import lora_merge
-            out = lora_merge(args.base, args.adapter, args.out, overwrite=args.overwrite)
+            out = lora_merge(args.base, args.adapter, args.out,
+                             arch=registry.for_checkpoint(args.base), overwrite=args.overwrite)
         elif args.kind == "maxtext":
             from loaders.export import maxtext
-            out = maxtext(args.checkpoint, args.model, args.out, tokenizer=args.tokenizer,
+            out = maxtext(args.checkpoint, registry.by_export_name(args.model), args.out,
+                          tokenizer=args.tokenizer,
                           dtype=args.dtype, overrides=_overrides(args.set), scan=args.scan,
                           scan_axis=args.param_scan_axis, overwrite=args.overwrite,
                           max_shard_bytes=args.max_shard_size, progress="maxtext -> HF")
         elif args.kind == "tunix":
             from loaders.export import tunix
-            out = tunix(args.checkpoint, args.base, args.out, lora_alpha=args.lora_alpha,
+            out = tunix(args.checkpoint, args.base, args.out,
+                        arch=registry.for_checkpoint(args.base), lora_alpha=args.lora_alpha,
                         adapter_only=args.adapter_only, dtype=args.dtype,
                         overwrite=args.overwrite, progress="tunix -> HF")
         elif args.kind == "gemma3-text":
             from loaders.export import gemma3_text
             out = gemma3_text(args.source, args.out, gemma3_text_config(args.source),
+                              arch=registry.by_hf_name("Gemma3ForCausalLM"),
                               overwrite=args.overwrite)
         print(f"wrote {out}")
     except (CheckpointError, ValueError) as e:

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loaders.hf import CheckpointError, HfCheckpoint, count_nonfinite
-from loaders.tables import check_checkpoint, read_config, table_for
+from loaders.tables import check_checkpoint, read_config
+from tpu_models import registry
 from tpu_models.stepper import Stepper
 from server.process import Server
 from server.serve import build_command
@@ -247,7 +248,7 @@ def test_config_fields_are_named(qwen3, tmp_path, changes, message):
     write_config(checkpoint, **changes)
     with pytest.raises(CheckpointError, match=re.escape(message)) as error:
         config, _ = read_config(checkpoint)
-        table, optional = table_for(config)
+        table, optional = registry.for_config(config).hf_table(config)
         check_checkpoint(HfCheckpoint(checkpoint), config, table, optional=optional)
     assert "config.json" in str(error.value)
 

@@ -22,6 +22,9 @@ from loaders import hf_writer
 from loaders.export import lora_merge, maxtext
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.hf_writer import HfWriter, check_out
+from tpu_models import registry
+
+QWEN3 = registry.by_hf_name("Qwen3ForCausalLM")
 
 ROOT = Path(__file__).parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "maxtext" / "qwen3_unscanned"
@@ -137,10 +140,10 @@ def test_overwrite_that_fails_leaves_the_old_output_intact(tmp_path):
     for data in (run / "checkpoints").rglob("d/*"):
         data.write_bytes(data.read_bytes()[:16])  # fails reading, inside the writer
     out = tmp_path / "out"
-    maxtext(FIXTURE, "qwen3", out)
+    maxtext(FIXTURE, QWEN3, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(CheckpointError, match="cannot read"):
-        maxtext(run, "qwen3", out, overwrite=True)
+        maxtext(run, QWEN3, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert partials(tmp_path) == []
 
@@ -237,7 +240,7 @@ def test_lora_merge_refuses_a_base_whose_index_leaves_it(tmp_path):
     (base / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
     with pytest.raises(CheckpointError, match="lies outside"):
-        lora_merge(base, tmp_path / "adapter", tmp_path / "out")
+        lora_merge(base, tmp_path / "adapter", tmp_path / "out", arch=QWEN3)
     assert not (tmp_path / "out").exists() and partials(tmp_path) == []
 
 

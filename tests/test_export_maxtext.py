@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from loaders.export import maxtext
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.maxtext import hf_to_maxtext
+from tpu_models.registry import by_export_name as arch
 from tpu_models.stepper import Stepper
 from tests.tiny import Reference, make_gemma3, make_qwen3, make_tokenizer
 
@@ -55,7 +56,7 @@ def maxtext_logits(fixture):
     ("gemma3_14l_scanned", "gemma3", TINY_GEMMA, True),  # 2 blocks of 6 + 2 remainder layers
 ])
 def test_real_maxtext_checkpoints(fixture, model, overrides, tied, tmp_path):
-    out = maxtext(FIXTURES / fixture, model, tmp_path / "out", overrides=overrides)
+    out = maxtext(FIXTURES / fixture, arch(model), tmp_path / "out", overrides=overrides)
     exported = hf_tensors(out)
     independent = load_file(FIXTURES / fixture / "hf_reference.safetensors")
     assert exported.keys() == independent.keys()
@@ -81,8 +82,8 @@ def test_real_maxtext_checkpoints(fixture, model, overrides, tied, tmp_path):
 
 def test_parameter_only_layout_is_the_same_model_in_bfloat16(tmp_path):
     """generate_param_only_checkpoint's NNX layout ({decoder,...}/.../value, bf16)."""
-    full = hf_tensors(maxtext(FIXTURES / "qwen3_unscanned", "qwen3", tmp_path / "full"))
-    only = maxtext(FIXTURES / "qwen3_unscanned_paramonly", "qwen3", tmp_path / "only")
+    full = hf_tensors(maxtext(FIXTURES / "qwen3_unscanned", arch("qwen3"), tmp_path / "full"))
+    only = maxtext(FIXTURES / "qwen3_unscanned_paramonly", arch("qwen3"), tmp_path / "only")
     params = hf_tensors(only)
     assert json.loads((only / "config.json").read_text())["dtype"] == "bfloat16"
     assert params.keys() == full.keys()
@@ -123,7 +124,7 @@ def test_structural_head_from_a_maxtext_tree(tmp_path):
     bias = (rng.normal(size=64) * 0.1).astype(np.float32)
     params["decoder"]["structural_head"] = {"kernel": kernel, "bias": bias}
     checkpoint = save_maxtext(tmp_path / "run", params)
-    out = maxtext(checkpoint, "qwen3-structural", tmp_path / "out")
+    out = maxtext(checkpoint, arch("qwen3-structural"), tmp_path / "out")
     assert json.loads((out / "config.json").read_text())["architectures"] == \
         ["Qwen3StructuralForCausalLM"]
     reference = Reference(reference_dir("qwen3_unscanned", out, tmp_path, extra={
@@ -132,7 +133,7 @@ def test_structural_head_from_a_maxtext_tree(tmp_path):
     got = Stepper(out).step({"a": tokens})["a"][:, :512]
     np.testing.assert_allclose(got, reference.logits(tokens), atol=1e-4, rtol=0)
     with pytest.raises(CheckpointError, match="no .../structural_head/kernel anywhere"):
-        maxtext(FIXTURES / "qwen3_unscanned", "qwen3-structural", tmp_path / "none")
+        maxtext(FIXTURES / "qwen3_unscanned", arch("qwen3-structural"), tmp_path / "none")
 
 
 @pytest.mark.parametrize("model", ["qwen3-structural", "gemma3"])
@@ -150,10 +151,10 @@ def test_round_trip_hf_maxtext_hf(model, tmp_path):
     original = hf_tensors(source)
     exports = {}
     for scanned in (True, False):
-        tree = hf_to_maxtext(original, model, config, scanned=scanned)
+        tree = hf_to_maxtext(original, arch(model).maxtext, config, scanned=scanned)
         run = save_maxtext(tmp_path / f"run-{scanned}", tree)
-        exports[scanned] = maxtext(run, model, tmp_path / f"out-{scanned}", overrides=overrides,
-                                   tokenizer=source)
+        exports[scanned] = maxtext(run, arch(model), tmp_path / f"out-{scanned}",
+                                   overrides=overrides, tokenizer=source)
     scanned, unscanned = hf_tensors(exports[True]), hf_tensors(exports[False])
     assert scanned.keys() == unscanned.keys() == original.keys()
     for name in original:
@@ -177,11 +178,11 @@ def small_run(tmp_path_factory):
 
 def test_bad_trees_are_refused_naming_the_tensor(small_run, tmp_path):
     source, config, original = small_run
-    tree = hf_to_maxtext(original, "qwen3-structural", config, scanned=False)
+    tree = hf_to_maxtext(original, arch("qwen3-structural").maxtext, config, scanned=False)
     del tree["decoder"]["layers_1"]["mlp"]["wo"]
     tree["decoder"]["layers_0"]["extra"] = {"kernel": np.zeros((2, 2), np.float32)}
     with pytest.raises(CheckpointError) as error:
-        maxtext(save_maxtext(tmp_path / "bad", tree), "qwen3-structural", tmp_path / "out")
+        maxtext(save_maxtext(tmp_path / "bad", tree), arch("qwen3-structural"), tmp_path / "out")
     assert "missing tensor decoder/layers_1/mlp/wo/kernel (for model.layers.1.mlp.down_proj" \
         in str(error.value)
     assert "unexpected tensors" in str(error.value) and "decoder/layers_0/extra/kernel" \
@@ -191,34 +192,34 @@ def test_bad_trees_are_refused_naming_the_tensor(small_run, tmp_path):
 
 def test_scanned_given_as_unscanned_and_wrong_sizes(small_run, tmp_path):
     source, config, original = small_run
-    run = save_maxtext(tmp_path / "run", hf_to_maxtext(original, "qwen3-structural", config,
-                                                       scanned=True))
+    mapping = arch("qwen3-structural").maxtext
+    run = save_maxtext(tmp_path / "run", hf_to_maxtext(original, mapping, config, scanned=True))
     with pytest.raises(CheckpointError, match="is scanned .* not unscanned"):
-        maxtext(run, "qwen3-structural", tmp_path / "out", scan="unscanned")
+        maxtext(run, arch("qwen3-structural"), tmp_path / "out", scan="unscanned")
     with pytest.raises(CheckpointError, match="num_hidden_layers=3 but the checkpoint holds "
                        "scanned, 2 layers on axis 1"):
-        maxtext(run, "qwen3-structural", tmp_path / "out", scan="scanned",
+        maxtext(run, arch("qwen3-structural"), tmp_path / "out", scan="scanned",
                 overrides={"num_hidden_layers": 3})
     with pytest.raises(CheckpointError, match="tensor token_embedder/embedding \\[384, 64\\] gives "
                        "model.embed_tokens.weight of shape \\[384, 64\\], config.json implies "
                        "\\[400, 64\\]"):
-        maxtext(run, "qwen3-structural", tmp_path / "out", overrides={"vocab_size": 400})
+        maxtext(run, arch("qwen3-structural"), tmp_path / "out", overrides={"vocab_size": 400})
     assert not (tmp_path / "out").exists()
 
 
 def test_truncated_checkpoint_and_existing_output(small_run, tmp_path):
     source, config, original = small_run
-    run = save_maxtext(tmp_path / "run", hf_to_maxtext(original, "qwen3-structural", config,
-                                                       scanned=False))
+    mapping = arch("qwen3-structural").maxtext
+    run = save_maxtext(tmp_path / "run", hf_to_maxtext(original, mapping, config, scanned=False))
     for data in (run / "checkpoints" / "0" / "items").rglob("d/*"):
         data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])
     with pytest.raises(CheckpointError, match="cannot read"):
-        maxtext(run, "qwen3-structural", tmp_path / "out")
+        maxtext(run, arch("qwen3-structural"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
     (tmp_path / "taken").mkdir()
     with pytest.raises(CheckpointError, match="already exists \\(pass --overwrite"):
-        maxtext(FIXTURES / "qwen3_unscanned", "qwen3", tmp_path / "taken")
+        maxtext(FIXTURES / "qwen3_unscanned", arch("qwen3"), tmp_path / "taken")
 
 
 def test_cli_writes_shards_index_tokenizer_and_inspect_reads_them(tmp_path):

@@ -15,13 +15,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from loaders.export import tunix
+from loaders import export
 from loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models import registry
 from tpu_models.stepper import Stepper
 from tests.tiny import Reference, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tunix"
 VARIANTS = ["gemma3", "gemma3_mha", "qwen3_tied", "qwen3_untied_sharded4"]
+
+
+def tunix(checkpoint, base, out, **options):
+    """The exporter, with the architecture the CLI would look up from --base."""
+    return export.tunix(checkpoint, base, out, arch=registry.for_checkpoint(base), **options)
 
 
 def hf_config_dir(variant: str, tmp_path: Path) -> Path:

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from loaders.hf import CheckpointError, HfCheckpoint
-from loaders.tables import qwen3_table
+from tpu_models import registry
 from tests.tiny import make_qwen3, reshard
 
 
@@ -27,8 +27,8 @@ def test_qwen3_table_is_transformers_state_dict(tied, bias):
     if tied:
         state.pop("lm_head.weight")  # saved once, under the embedding's name
     expected = {k: tuple(v.shape) for k, v in state.items()}
-    assert qwen3_table(config, structural=False) == expected
-    structural = qwen3_table(config, structural=True)
+    assert registry.by_hf_name("Qwen3ForCausalLM").hf_table(config)[0] == expected
+    structural, _ = registry.by_hf_name("Qwen3StructuralForCausalLM").hf_table(config)
     assert structural["structural_head.weight"] == (32, 32)
     assert set(structural) - set(expected) == {"structural_head.weight", "structural_head.bias"}
 
@@ -41,14 +41,16 @@ def test_single_and_sharded_list_the_same_tensors(checkpoint, tmp_path):
     assert len(sharded.files) == 3
     assert {n: i.shape for n, i in single.tensors.items()} == \
         {n: i.shape for n, i in sharded.tensors.items()}
-    sharded.check(qwen3_table(json.loads((checkpoint / "config.json").read_text()),
-                              structural=True))
+    sharded.check(registry.for_checkpoint(checkpoint).hf_table(
+        json.loads((checkpoint / "config.json").read_text()))[0])
     streamed = dict(sharded.iter_tensors())
-    assert torch.equal(streamed["structural_head.bias"], single.read("structural_head.bias"))
+    assert torch.equal(streamed["structural_head.bias"],
+                       dict(single.iter_tensors())["structural_head.bias"])
 
 
 def test_check_names_missing_unexpected_and_misshapen(checkpoint):
-    table = qwen3_table(json.loads((checkpoint / "config.json").read_text()), structural=True)
+    table, _ = registry.for_checkpoint(checkpoint).hf_table(
+        json.loads((checkpoint / "config.json").read_text()))
     table.pop("structural_head.bias")  # so the checkpoint has one unexpected tensor
     table["model.norm.weight"] = (65, )
     table["model.layers.9.mlp.up_proj.weight"] = (128, 64)

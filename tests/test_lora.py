@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from loaders.export import lora_merge
+from loaders import export
 from loaders.hf import CheckpointError, HfCheckpoint
 from loaders.lora import LoraAdapter
-from loaders.tables import table_for
+from tpu_models import registry
 from tpu_models.stepper import Stepper
 from tests.test_gemma3 import run_steps
 from tests.tiny import Reference, make_gemma3, make_lora, make_qwen3
@@ -50,16 +50,18 @@ def test_merged_on_load_matches_peft(model, lora, request, tmp_path):
 
 def test_offline_merge_writes_a_checkpoint_equal_to_peft(qwen3, tmp_path):
     adapter = make_lora(qwen3, tmp_path / "adapter", targets=("k_proj", "up_proj"))
-    out = lora_merge(qwen3, adapter, tmp_path / "merged")
+    out = export.lora_merge(qwen3, adapter, tmp_path / "merged",
+                            arch=registry.for_checkpoint(qwen3))
     merged = HfCheckpoint(out)
-    table, optional = table_for(json.loads((out / "config.json").read_text()))
+    config = json.loads((out / "config.json").read_text())
+    table, optional = registry.for_config(config).hf_table(config)
     merged.check(table, optional=optional)
     assert (out / "tokenizer.json").exists()
     reference = Reference(qwen3, adapter=adapter)
     worst = run_steps(Stepper(out), reference, steps_for(reference.vocab_size, seed=1))
     print(f"offline merge: max |logit diff| vs peft: {worst:.2e}")
     with pytest.raises(CheckpointError, match="already exists"):
-        lora_merge(qwen3, adapter, out)
+        export.lora_merge(qwen3, adapter, out, arch=registry.for_checkpoint(qwen3))
 
 
 def edit_adapter(adapter, *, config=None, tensors=None):
@@ -101,7 +103,8 @@ def renamed(old, new):
 def test_bad_adapters_are_refused_naming_the_fault(good_adapter, qwen3, tmp_path, edit, message):
     adapter = edit_adapter(copy(good_adapter, tmp_path), **edit)
     with pytest.raises(CheckpointError, match=message):
-        LoraAdapter(adapter).check_base(table_for(json.loads((qwen3 / "config.json").read_text()))[0])
+        config = json.loads((qwen3 / "config.json").read_text())
+        LoraAdapter(adapter).check_base(registry.for_config(config).hf_table(config)[0])
 
 
 def test_adapter_for_another_base_stops_loading(good_adapter, tmp_path):

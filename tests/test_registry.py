@@ -8,8 +8,8 @@ def test_vllm_keeps_its_pytorch_models_and_knows_ours():
     from tpu_inference.models.common.model_loader import _MODEL_REGISTRY
     from vllm.model_executor.models.registry import ModelRegistry
 
-    from tpu_models.gemma3 import Gemma3ForCausalLM
-    from tpu_models.qwen3_structural import Qwen3StructuralForCausalLM
+    from tpu_models.gemma3.model import Gemma3ForCausalLM
+    from tpu_models.qwen3_structural.model import Qwen3StructuralForCausalLM
 
     # flax_nnx resolves to ours...
     assert _MODEL_REGISTRY["Gemma3ForCausalLM"] is Gemma3ForCausalLM

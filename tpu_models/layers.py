@@ -185,9 +185,9 @@ class Attention(JaxModule):
     """q/k/v/o projections, optional q/k norms, RoPE, and paged attention.
 
     `qk_norm` builds the per-head norms (None: none). The kernel is the
-    tpu-inference attention backend the engine runs with: RPA on TPU, or the
-    portable kernel that `--attention-backend portable` (or the host
-    portability layer, off-TPU) selects.
+    tpu-inference attention backend `compat.attention_backend` picks: the
+    engine's (RPA) on TPU, the portable kernel elsewhere or when
+    `--attention-backend portable` asks for it.
     """
 
     def __init__(self, cfg: AttentionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh,

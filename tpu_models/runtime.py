@@ -4,11 +4,8 @@ import dataclasses
 import os
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
-from tpu_inference.layers.common.attention_backend import (AttentionBackend,
-                                                           attention_backend_name,
-                                                           create_attention_backend)
+from tpu_inference.layers.common.attention_backend import AttentionBackend
 from tpu_inference.layers.common.sharding import ShardingAxisName
 from tpu_inference.logger import init_logger
 from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
@@ -19,6 +16,7 @@ from loaders.hf import CheckpointError, HfCheckpoint, check_finite
 from loaders.lora import LoraAdapter
 from loaders.tables import check_checkpoint
 from quant import checkpoint as prequantized
+from tpu_models import compat
 
 logger = init_logger(__name__)
 
@@ -32,7 +30,7 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
-class Engine:
+class EngineSettings:
     """The engine settings a model is built for."""
     dtype: Any  # jax dtype the engine serves in (--dtype)
     quant_config: Any  # tpu-inference quantization config, or None
@@ -42,7 +40,7 @@ class Engine:
     head_shards: int  # devices the attention heads are split over (tensor parallelism)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: VllmConfig, mesh: Mesh) -> "Engine":
+    def from_vllm_config(cls, vllm_config: VllmConfig, mesh: Mesh) -> "EngineSettings":
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise NotImplementedError("tpu-models: pipeline parallelism is not supported; "
                                       "use --tensor-parallel-size")
@@ -55,7 +53,7 @@ class Engine:
             dtype=vllm_config.model_config.dtype,
             quant_config=getattr(vllm_config, "quant_config", None),
             kv_cache_dtype=kv_cache_dtype,
-            attention_backend=create_attention_backend(attention_backend_name(vllm_config)),
+            attention_backend=compat.attention_backend(vllm_config),
             vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB),
             head_shards=get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD))
 
@@ -96,7 +94,8 @@ def model_directory(vllm_config: VllmConfig) -> str:
                              allow_patterns=["*.safetensors", "*.json"])
 
 
-def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) -> set[str]:
+def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
+                    extra_linear=()) -> set[str]:
     """Checks the checkpoint (and LoRA adapter, if any) against `table`, then
     streams it into `model`, merging the adapter on the way.
 
@@ -110,7 +109,8 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=()) ->
     config = vllm_config.model_config.hf_text_config
     scheme = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
     if scheme:  # per-channel scales next to the quantized weights
-        table = prequantized.checkpoint_table(table, scheme, str(checkpoint.directory))
+        table = prequantized.checkpoint_table(table, scheme, str(checkpoint.directory),
+                                              extra_linear=extra_linear)
     check_checkpoint(checkpoint, config, table, optional=optional)
     check_tokenizer(vllm_config, config.vocab_size)
     check_weights = bool(extra.get(CHECK_WEIGHTS_KEY))

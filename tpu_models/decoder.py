@@ -1,0 +1,190 @@
+"""The decoder our architectures share, and the calls tpu-inference's runner makes.
+
+    ids -> embed_tokens (x embedding_scale) -> layers -> norm -> hidden     (__call__)
+    hidden -> head -> lm_head, or embed_tokens^T when tied (-> soft cap)    (compute_logits)
+
+A model file (tpu_models/<arch>/model.py) keeps only what is its own: its
+config (`from_hf_config`), its norm, its layer when the block differs from the
+pre-norm one here, and a `head` before the vocab projection. Modules carry HF
+submodule names (`model.layers.{i}.self_attn.q_proj`), so tpu-inference's loader
+maps checkpoint tensors onto them by name.
+
+Shapes: T tokens, D hidden, V vocab.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from tpu_inference.layers.common.sharding import ShardingAxisName
+from tpu_inference.layers.jax import JaxModule
+from tpu_inference.layers.jax.embed import JaxEmbed
+from tpu_inference.layers.jax.linear import JaxLmHead
+from tpu_inference.layers.jax.norm import JaxRmsNorm
+from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
+from vllm.config import VllmConfig
+
+from tpu_models import registry, runtime
+from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """What the shared decoder needs; each architecture's config extends it."""
+    vocab_size: int  # as in the checkpoint
+    padded_vocab_size: int  # rounded up to a multiple of the vocab shards
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    layers: tuple[AttentionConfig, ...]  # one per layer (windows and RoPE may differ)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    embedding_scale: float | None  # multiplies embeddings (rounded to dtype first); None: 1
+    final_logit_softcapping: float | None
+    activation: Callable[[jax.Array], jax.Array]  # of the gated MLP
+    dtype: Any  # activations and matmul inputs
+    param_dtype: Any  # stored weights
+
+    @staticmethod
+    def shared_fields(hf, *, dtype, param_dtype, vocab_shards: int) -> dict:
+        """The fields every HF decoder config spells the same way."""
+        return dict(
+            vocab_size=hf.vocab_size,
+            padded_vocab_size=-(-hf.vocab_size // vocab_shards) * vocab_shards,
+            hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers, rms_norm_eps=hf.rms_norm_eps,
+            dtype=dtype, param_dtype=param_dtype or dtype)
+
+    @staticmethod
+    def attention_layers(hf, layer_types, *, head_dim: int, rope: Callable[[str], Rope],
+                         scale: float, soft_cap: float | None = None,
+                         head_shards: int = 1) -> tuple[AttentionConfig, ...]:
+        """One AttentionConfig per layer; `layer_types` entries "sliding_attention"
+        attend hf.sliding_window, `rope(kind)` is the layer type's RoPE."""
+        return tuple(
+            AttentionConfig(
+                hidden_size=hf.hidden_size, num_heads=hf.num_attention_heads,
+                num_kv_heads=hf.num_key_value_heads, head_dim=head_dim, rope=rope(kind),
+                scale=scale, bias=bool(getattr(hf, "attention_bias", False)),
+                sliding_window=hf.sliding_window if kind == "sliding_attention" else None,
+                soft_cap=soft_cap, head_shards=head_shards)
+            for kind in layer_types)
+
+
+class DecoderLayer(JaxModule):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); q/k norms per head."""
+
+    norm_class: type[JaxRmsNorm] = JaxRmsNorm  # x * rsqrt(mean(x^2) + eps) * weight
+    norm_init: Callable = nnx.initializers.ones
+
+    @classmethod
+    def norm(cls, cfg: DecoderConfig, size: int, rngs: nnx.Rngs, prefix: str) -> JaxRmsNorm:
+        return cls.norm_class(size, epsilon=cfg.rms_norm_eps, dtype=cfg.dtype,
+                              param_dtype=cfg.param_dtype,
+                              scale_init=nnx.with_partitioning(cls.norm_init, (None, )),
+                              rngs=rngs, prefix=prefix)
+
+    def __init__(self, cfg: DecoderConfig, attn: AttentionConfig, *, rngs: nnx.Rngs, mesh: Mesh,
+                 settings: runtime.EngineSettings, prefix: str):
+        self.input_layernorm = self.norm(cfg, cfg.hidden_size, rngs, f"{prefix}.input_layernorm")
+        self.self_attn = Attention(
+            attn, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs, mesh=mesh,
+            backend=settings.attention_backend, kv_cache_dtype=settings.kv_cache_dtype,
+            qk_norm=lambda p: self.norm(cfg, attn.head_dim, rngs, p),
+            quant_config=settings.quant_config, prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = self.norm(cfg, cfg.hidden_size, rngs,
+                                                  f"{prefix}.post_attention_layernorm")
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation,
+                            dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
+                            quant_config=settings.quant_config, prefix=f"{prefix}.mlp")
+
+    def __call__(self, kv_cache, x, md):
+        kv_cache, attn_out = self.self_attn(kv_cache, self.input_layernorm(x), md)
+        x = x + attn_out
+        return kv_cache, x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(JaxModule):
+    """HF's `model.`: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: DecoderConfig, layer: type[DecoderLayer], *, rngs: nnx.Rngs,
+                 mesh: Mesh, settings: runtime.EngineSettings):
+        self.cfg = cfg
+        self.embed_tokens = JaxEmbed(
+            cfg.padded_vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            embedding_init=sharded(ShardingAxisName.VOCAB, None), rngs=rngs,
+            quant_config=settings.quant_config, prefix="model.embed_tokens")
+        self.layers = nnx.List([
+            layer(cfg, cfg.layers[i], rngs=rngs, mesh=mesh, settings=settings,
+                  prefix=f"model.layers.{i}") for i in range(cfg.num_layers)])
+        self.norm = layer.norm(cfg, cfg.hidden_size, rngs, "model.norm")
+
+    def __call__(self, kv_caches, input_ids, md, inputs_embeds=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # [T, D]
+            if self.cfg.embedding_scale is not None:
+                # HF rounds the scale to the model dtype before multiplying.
+                inputs_embeds = inputs_embeds * jnp.asarray(self.cfg.embedding_scale,
+                                                            self.cfg.dtype)
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            kv_caches[i], x = layer(kv_caches[i], x, md)
+        return kv_caches, self.norm(x)
+
+
+class CausalLM(JaxModule, LoadableWithIterator):
+    """A tpu-inference flax_nnx model: built on the engine's mesh, fed its paged KV cache.
+
+    Subclasses are named as their HF architecture (their registry entry) and set
+    `config_class` and `layer_class`; `head` transforms hidden states before the
+    vocab projection (identity here).
+    """
+
+    config_class: type[DecoderConfig]
+    layer_class: type[DecoderLayer]
+
+    def __init__(self, vllm_config: VllmConfig, rng_key: jax.Array, mesh: Mesh):
+        settings = runtime.EngineSettings.from_vllm_config(vllm_config, mesh)
+        self.vllm_config = vllm_config
+        self.cfg = cfg = self.config_class.from_hf_config(
+            vllm_config.model_config.hf_text_config, dtype=settings.dtype,
+            vocab_shards=settings.vocab_shards, head_shards=settings.head_shards)
+        rngs = nnx.Rngs(rng_key)
+        self.model = Decoder(cfg, self.layer_class, rngs=rngs, mesh=mesh, settings=settings)
+        self.build_head(rngs, settings)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = JaxLmHead(cfg.hidden_size, cfg.padded_vocab_size, rngs=rngs,
+                                     dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                     kernel_init=sharded(None, ShardingAxisName.VOCAB))
+
+    def build_head(self, rngs: nnx.Rngs, settings: runtime.EngineSettings) -> None:
+        """Modules of `head`, if any."""
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        return hidden
+
+    def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None,
+                 _input_positions=None, _layer_name_to_kv_cache=None, _lora_metadata=None,
+                 intermediate_tensors=None, is_first_rank=True, is_last_rank=True, *args):
+        kv_caches, hidden = self.model(kv_caches, input_ids, attention_metadata, inputs_embeds)
+        return kv_caches, hidden, [], None  # no auxiliary hidden states or expert ids
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        x = self.head(hidden)  # [T, D]
+        if self.cfg.tie_word_embeddings:
+            logits = tied_logits(self.model.embed_tokens, x)  # [T, V]
+        else:
+            logits = self.lm_head(x)  # [T, V]
+        if cap := self.cfg.final_logit_softcapping:
+            logits = cap * jnp.tanh(logits / cap)
+        return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)
+
+    def load_weights(self, weights=None):
+        architecture = registry.by_hf_name(type(self).__name__)
+        table, optional = architecture.hf_table(self.vllm_config.model_config.hf_text_config)
+        return runtime.load_checkpoint(self, table, optional=optional,
+                                       extra_linear=architecture.extra_linear)

@@ -1,0 +1,1 @@
+"""Gemma 3 (text): the model (model.py) and its checkpoint entry (checkpoints.py)."""
