@@ -1,4 +1,10 @@
-"""`tpu-models bench`: serving benchmarks (the measuring lives in benchmarks/)."""
+"""`tpu-models bench`: its options and dispatch, and the serve benchmark's driver.
+
+`tpu-models` (server/cli.py) reaches `main` through the `tpu_models.commands`
+entry point (pyproject.toml), so that server/ imports no benchmark; it has set
+up the host (tpu_models.compat.setup_host) before. Also runs as
+`python -m benchmarks.cli ...`.
+"""
 
 import argparse
 import json
@@ -50,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", default="bench-compare.json")
     compare.add_argument("--plot", help="PNG of both servers' throughput and TPOT")
 
-    step = sub.add_parser("step", help="decode-step time of a 0.5B-class model vs the host's "
-                                       "memory bandwidth (model level)")
+    step = sub.add_parser("step", help="decode-step time of a Qwen3-0.6B-shaped model vs the "
+                                       "host's memory bandwidth (model level)")
     step.add_argument("args", nargs=argparse.REMAINDER, help="see python -m benchmarks.step -h")
 
     quant = sub.add_parser("quant", help="quality (top-1, KL, greedy), weight bytes and decode "
@@ -105,7 +111,8 @@ def bench_serve(args) -> dict:
     return document
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["step"]:  # its options are the benchmark's own
         from benchmarks.step import main as step_main
         step_main(argv[1:])
@@ -124,3 +131,9 @@ def main(argv: list[str]) -> None:
         compare(concurrencies=args.concurrency, input_len=args.input_len,
                 output_len=args.output_len, num_prompts=args.num_prompts, shape=shape,
                 dtype=args.dtype, rounds=args.rounds, out=args.out, plot=args.plot)
+
+
+if __name__ == "__main__":
+    from tpu_models import compat
+    compat.setup_host()  # as `tpu-models bench`: before anything imports vllm
+    main()

@@ -28,6 +28,7 @@ decoding; `--prompts random` draws token ids instead (any model).
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -244,7 +245,6 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    import os
     parser = argparse.ArgumentParser(prog="tpu-models bench quant",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded demo)")
@@ -267,20 +267,16 @@ def main(argv=None) -> list[dict]:
                              "the tied embedding from dominating the weights)")
     parser.add_argument("--out", default="bench-quant.json")
     args = parser.parse_args(argv)
-    from server import portability
-    from server.serve import DEFAULT_MODEL, jax_platform
-    platform = jax_platform("auto", os.environ)  # as `tpu-models serve`: a TPU, else the CPU
-    if platform is not None:
-        os.environ["JAX_PLATFORMS"] = platform
-        for key, value in portability.TPU_IDENTITY.items():
-            os.environ.setdefault(key, value)
+    from server.serve import DEFAULT_MODEL
+    from tpu_models import compat
+    compat.setup_host()  # as `tpu-models serve`: a TPU, else the CPU
     os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
     model = args.model or str(DEFAULT_MODEL)
     if args.speed_shape:
         import tempfile
 
-        from benchmarks.step import CONFIG_0_5B, make_model_dir
-        model = str(make_model_dir({**CONFIG_0_5B, "num_hidden_layers": args.speed_shape,
+        from benchmarks.step import QWEN3_0_6B, make_model_dir
+        model = str(make_model_dir({**QWEN3_0_6B, "num_hidden_layers": args.speed_shape,
                                     "vocab_size": args.speed_vocab},
                                    Path(tempfile.mkdtemp(prefix="bench-quant-"))))
     rows = evaluate(model, [p for p in args.presets.split(",") if p], prompts=args.prompts,

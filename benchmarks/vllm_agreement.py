@@ -21,36 +21,43 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import serving
+from tpu_models import compat
+
 # Keys of both tools' JSON (vLLM's names); server_mean_ttft_ms is added per run here.
 METRICS = ["output_throughput", "request_throughput", "median_ttft_ms", "mean_ttft_ms",
            "server_mean_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms"]
 
 
 def client_env() -> dict:
-    """vLLM's CLI imports the platform too: keep tpu-inference off the cloud metadata server."""
-    from server.portability import TPU_IDENTITY
-    return {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS") or "cpu",
-            **TPU_IDENTITY, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    """`vllm bench serve`'s environment: vLLM's CLI imports the platform too, so its JAX
+    runs on the CPU (a client needs no accelerator) and tpu-inference gets a TPU identity
+    instead of asking the cloud metadata server."""
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    compat.setup_host("cpu", env)
+    return env
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="per run (default: 8 waves of --concurrency, at least 48)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="vLLM runs, each between two of ours (ours runs repeats + 1 times)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--out", default="bench-vllm-agreement.json")
-    args = parser.parse_args(argv)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="per run (default: 8 waves of --concurrency, at least 48)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="vLLM runs, each between two of ours (ours runs repeats + 1 times)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--out", default="bench-vllm-agreement.json")
+    return p
 
-    from benchmarks import serving
+
+def measure(args) -> dict:
+    """Serves one model and alternates our runs and `vllm bench serve`'s on it: each side's
+    runs (its metrics, plus the server's view), and their client CPU seconds."""
     from benchmarks.compare import DEFAULT_SHAPE, make_pair
     from server.process import Server
 
     num_prompts = args.num_prompts or serving.default_num_prompts(args.concurrency)
-
     work = Path(tempfile.mkdtemp(prefix="bench-agreement-"))
     model, _ = make_pair(work, DEFAULT_SHAPE)
     result_file = work / "vllm.json"
@@ -102,6 +109,13 @@ def main(argv=None) -> dict:
             theirs.append(json.loads(result_file.read_text()))
             server_side(theirs[-1], counters)
         run_ours(args.repeats)
+    return {"num_prompts": num_prompts, "ours": ours, "vllm": theirs, "client_cpu_s": cpu}
+
+
+def agreement(args, runs: dict) -> dict:
+    """The result document: per metric, both sides' runs and the ratio of their medians,
+    and our metrics() replayed over vLLM's own per-request timings of its last run."""
+    ours, theirs = runs["ours"], runs["vllm"]
     # The same definitions: our metrics() over vLLM's own per-request timings.
     vllm = theirs[-1]
     replayed = serving.metrics([
@@ -118,11 +132,25 @@ def main(argv=None) -> dict:
                      "ratio": statistics.median(mine) / statistics.median(other),
                      # None for the server's own figure, which no client replays
                      "same_data_ratio": replayed[key] / vllm[key] if key in replayed else None})
+    cached = {side: sum(run["server_cached_prompt_tokens"] for run in runs[side])
+              for side in ("ours", "vllm")}
+    return {"benchmark": "vllm_agreement", "concurrency": args.concurrency,
+            "num_prompts": runs["num_prompts"], "input_len": args.input_len,
+            "output_len": args.output_len, "rows": rows, "client_cpu_s": runs["client_cpu_s"],
+            "cached_prompt_tokens": cached}
+
+
+def report(document: dict, out: Path) -> None:
+    """Prints the table and the cache and CPU lines, writes the document to `out`, and
+    prints each metric's ratio as the last line."""
     from rich.console import Console
     from rich.table import Table
+
+    rows, cpu, cached = document["rows"], document["client_cpu_s"], document["cached_prompt_tokens"]
     table = Table(title=f"tpu-models bench serve vs vllm bench serve, concurrency "
-                        f"{args.concurrency}, {num_prompts} x {args.input_len} in / "
-                        f"{args.output_len} out, medians of {len(ours)} and {len(theirs)} runs")
+                        f"{document['concurrency']}, {document['num_prompts']} x "
+                        f"{document['input_len']} in / {document['output_len']} out, medians of "
+                        f"{len(rows[0]['ours'])} and {len(rows[0]['vllm'])} runs")
     for column in ("metric", "ours (runs)", "vllm bench serve (runs)", "ours / vllm",
                    "ours on vLLM's timings / vllm"):
         table.add_column(column, justify="right")
@@ -131,18 +159,18 @@ def main(argv=None) -> dict:
                       " ".join(f"{v:.1f}" for v in r["vllm"]), f"{r['ratio']:.3f}",
                       "-" if r["same_data_ratio"] is None else f"{r['same_data_ratio']:.4f}")
     Console(width=140).print(table)
-    cached = {side: sum(run["server_cached_prompt_tokens"] for run in runs)
-              for side, runs in (("ours", ours), ("vllm", theirs))}
     print(f"prompt tokens served from the prefix cache: ours {cached['ours']:.0f}, "
           f"vllm bench serve {cached['vllm']:.0f}")
     print(f"client CPU seconds: ours {cpu['ours']:.1f} (incl. warm-up), vllm bench serve "
           f"{cpu['vllm']:.1f} (incl. its start-up)")
-    document = {"benchmark": "vllm_agreement", "concurrency": args.concurrency,
-                "num_prompts": num_prompts, "input_len": args.input_len,
-                "output_len": args.output_len, "rows": rows, "client_cpu_s": cpu,
-                "cached_prompt_tokens": cached}
-    Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    out.write_text(json.dumps(document, indent=2) + "\n")
     print(json.dumps({r["metric"]: round(r["ratio"], 4) for r in rows}))
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    document = agreement(args, measure(args))
+    report(document, Path(args.out))
     return document
 
 

@@ -14,6 +14,20 @@ commands:
 """
 
 
+COMMANDS = "tpu_models.commands"  # entry-point group of commands that live outside server/
+
+
+def _command(name: str):
+    """The `main(argv)` registered for `name` in the COMMANDS entry points (pyproject.toml):
+    `bench` lives in benchmarks/, which imports server/, never the other way."""
+    from importlib.metadata import entry_points
+    found = entry_points(group=COMMANDS, name=name)
+    if not found:
+        sys.exit(f"tpu-models {name}: not installed (no {name!r} entry point in group "
+                 f"{COMMANDS!r}; reinstall the package: pip install -e .)")
+    return next(iter(found)).load()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -35,8 +49,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit("usage: tpu-models inspect CKPT_DIR")
         from loaders.hf import CheckpointError
         from loaders.inspect import print_description
+        from tpu_models import registry
+        families = {a.export_name: a.tunix for a in registry.architectures() if a.tunix}
         try:
-            print_description(rest[0])
+            print_description(rest[0], families)
         except CheckpointError as e:
             sys.exit(f"tpu-models inspect: {e}")
     elif command == "bench":
@@ -44,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         # `bench step` and `bench quant` run tpu-inference in this process: on this
         # host's CPU unless it has a TPU, and never asking the cloud metadata server.
         compat.setup_host()
-        from server import bench
-        bench.main(rest)
+        _command("bench")(rest)
     else:
         sys.exit(f"tpu-models: unknown command {command!r}\n{USAGE}")
 

@@ -1,22 +1,46 @@
 """Seconds-long smoke runs of every benchmark command: they run, count right, and write
 their JSON (and plots). The figures themselves come from full runs (README, benchmarks/)."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
+from benchmarks import cli as bench_cli
 from benchmarks import serving
-from server import bench, cli
+from server import cli
 from server.serve import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
+
+
+def test_bench_is_reached_through_its_entry_point(capsys):
+    assert cli._command("bench") is bench_cli.main
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--help"])
+    help_text = capsys.readouterr().out
+    assert exit_.value.code == 0 and "{serve,compare,step,quant}" in help_text
+
+
+def test_server_imports_no_benchmark():
+    """Imports run benchmarks -> server -> tpu_models -> loaders, never back."""
+    for path in (Path(cli.__file__).parent).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            assert not any(m.split(".")[0] == "benchmarks" for m in modules), path.name
 
 
 def test_bench_serve_against_a_running_server(demo_server, tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     cached = "vllm:prompt_tokens_cached_total"
     before = serving.server_counters(demo_server.url)[cached]
-    document = bench.bench_serve(bench.parser().parse_args([
+    document = bench_cli.bench_serve(bench_cli.parser().parse_args([
         "serve", "--base-url", demo_server.url, "--api-key", demo_server.api_key,
         "--tokenizer", str(DEFAULT_MODEL), "--input-len", "24", "--output-len", "8",
         "--num-prompts", "6", "--concurrency", "1,3", "--warmup", "1",
