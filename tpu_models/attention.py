@@ -22,6 +22,7 @@ S page size, B pages per key block.
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,42 @@ def _online_softmax_step(carry, scores, values, mask, weigh_values):
     return m_new, l, acc
 
 
+def _attend_key_blocks(key_step, first, last, rows, head_dim):
+    """Runs key_step over key blocks [first, last) from an empty softmax.
+
+    rows: the shape of the softmax state (one entry per query and head).
+    Returns the attention [*rows, H] in fp32.
+    """
+    init = (jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(first, last, key_step, init)
+    return acc / jnp.maximum(l, 1e-30)[..., None]  # a fully masked row stays 0
+
+
+class _PagedKV(NamedTuple):
+    """The KV cache and the page tables that index it, as attention reads them."""
+    kv_cache: jax.Array  # [num_pages, S, slots, packing, Hp]
+    block_tables: jax.Array  # [R, pages_per_seq]
+    kv_heads: int
+    head_dim: int
+    k_scale: float | None
+    v_scale: float | None
+
+
+def _gather_keys(paged, seq_rows, block_idx, pages):
+    """Key block `block_idx` (`pages` pages) of the requests seq_rows -> k, v [..., S*B, K, H]."""
+    cache, tables = paged.kv_cache, paged.block_tables
+    cols = jnp.clip(block_idx * pages + jnp.arange(pages), 0, tables.shape[1] - 1)
+    rows = cache[tables[seq_rows][..., cols]]  # [..., B, S, slots, packing, Hp]
+    rows = rows.reshape(*rows.shape[:-5], pages * cache.shape[1], *rows.shape[-3:])
+    return _unpack_kv(rows, paged.kv_heads, paged.head_dim, paged.k_scale, paged.v_scale)
+
+
+def _scale_scores(scores, sm_scale, soft_cap):
+    scores = scores * sm_scale
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k: jax.Array,  # [T, K, H]
@@ -106,104 +143,111 @@ def ragged_paged_attention(
     decode_block_bytes: int = 4 << 20,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out [T, N, H] in q.dtype, updated kv_cache)."""
-    num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    group = num_heads // kv_heads
-    num_pages, page_size = kv_cache.shape[:2]
+    num_tokens = q.shape[0]
     max_seqs = seq_lens.shape[0]
-    pages_per_seq = block_tables.shape[0] // max_seqs
-    block_tables = block_tables.reshape(max_seqs, pages_per_seq)
+    block_tables = block_tables.reshape(max_seqs, block_tables.shape[0] // max_seqs)
     cu_q_lens = cu_q_lens[:max_seqs + 1]
-
     live = jnp.arange(max_seqs) < num_seqs
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
 
-    # --- write this step's keys and values into their pages ---
     if update_kv_cache:
-        token = jnp.arange(num_tokens)
-        seq = jnp.minimum(
-            jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
-        valid = (token < cu_q_lens[num_seqs]) & live[seq]
-        pos = seq_lens[seq] - (cu_q_lens[seq + 1] - token)
-        page = block_tables[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
-        page = jnp.where(valid, page, num_pages)  # out of range: dropped
-        kv_cache = kv_cache.at[page, pos % page_size].set(
-            _pack_kv(k, v, kv_cache), mode="drop")
+        kv_cache = _write_kv(kv_cache, k, v, seq_lens, block_tables, cu_q_lens, num_seqs, live)
 
-    pages_per_block = max(1, kv_block // page_size)
-    key_block = pages_per_block * page_size
-    key_offsets = jnp.arange(key_block)
+    paged = _PagedKV(kv_cache, block_tables, k.shape[1], q.shape[2], k_scale, v_scale)
+    scale = functools.partial(_scale_scores, sm_scale=sm_scale, soft_cap=soft_cap)
+    # q_block spare rows: prefill writes whole query blocks.
+    out = jnp.zeros((num_tokens + q_block, *q.shape[1:]), q.dtype)
+    out = _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
+                  sliding_window=sliding_window, block=decode_block,
+                  kv_block=decode_kv_block, block_bytes=decode_block_bytes)
+    out = _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
+                   sliding_window=sliding_window, q_block=q_block, kv_block=kv_block)
+    return out[:num_tokens], kv_cache
 
-    def gather_keys(seq_rows, block_idx, pages=pages_per_block):
-        """Key block `block_idx` (`pages` pages) of each request in seq_rows -> k, v [..., S*B, K, H]."""
-        cols = jnp.clip(block_idx * pages + jnp.arange(pages), 0, pages_per_seq - 1)
-        rows = kv_cache[block_tables[seq_rows][..., cols]]  # [..., B, S, slots, packing, Hp]
-        rows = rows.reshape(*rows.shape[:-5], pages * page_size, *rows.shape[-3:])
-        return _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale)
 
-    def scaled(s):
-        s = s * sm_scale
-        return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+def _write_kv(kv_cache, k, v, seq_lens, block_tables, cu_q_lens, num_seqs, live):
+    """Writes this step's keys and values [T, K, H] into their pages; padding tokens are dropped."""
+    num_pages, page_size = kv_cache.shape[:2]
+    max_seqs, pages_per_seq = block_tables.shape
+    token = jnp.arange(k.shape[0])
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
+    valid = (token < cu_q_lens[num_seqs]) & live[seq]
+    pos = seq_lens[seq] - (cu_q_lens[seq + 1] - token)
+    page = block_tables[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
+    page = jnp.where(valid, page, num_pages)  # out of range: dropped
+    return kv_cache.at[page, pos % page_size].set(_pack_kv(k, v, kv_cache), mode="drop")
 
-    def scores_of(qb, keys, spec):
-        return scaled(jnp.einsum(spec, qb, keys, preferred_element_type=jnp.float32))
 
-    out = jnp.zeros((num_tokens + q_block, num_heads, head_dim), q.dtype)
+def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, block,
+            kv_block, block_bytes):
+    """Attends the one-query requests, `block` requests at a time, into their rows of out.
 
-    # --- decode: one query per request, up to `decode_block` requests at a time ---
-    # A decode reads far more keys than it computes on: what costs is the copy
-    # the page gather makes. So a key block of a request block is kept within
-    # `decode_block_bytes` (past the host's cache, the copy and its re-reads
-    # slow down 2-4x), and is copied once, heads ahead of keys, so both products
-    # are batched matmuls over (request, kv head).
-    decode_pages = max(1, decode_kv_block // page_size)
-    decode_keys = decode_pages * page_size
-    key_bytes = math.prod(kv_cache.shape[2:]) * kv_cache.dtype.itemsize  # one slot, all heads
-    decode_block = max(1, min(decode_block, num_tokens,
-                              decode_block_bytes // (decode_keys * key_bytes)))
+    A decode reads far more keys than it computes on: what costs is the copy
+    the page gather makes. So a key block of a request block is kept within
+    `block_bytes` (past the host's cache, the copy and its re-reads slow down
+    2-4x), and is copied once, heads ahead of keys, so both products are
+    batched matmuls over (request, kv head).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = paged.kv_heads
+    group = num_heads // kv_heads
+    max_seqs = seq_lens.shape[0]
+    _, page_size, *slot_shape = paged.kv_cache.shape
+    pages = max(1, kv_block // page_size)
+    block_keys = pages * page_size
+    key_bytes = math.prod(slot_shape) * paged.kv_cache.dtype.itemsize  # one slot, all heads
+    block = max(1, min(block, num_tokens, block_bytes // (block_keys * key_bytes)))
     is_decode = q_lens == 1
     decode_ids = jnp.nonzero(is_decode, size=max_seqs, fill_value=max_seqs)[0]
-    decode_ids = jnp.pad(decode_ids, (0, decode_block), constant_values=max_seqs)
+    decode_ids = jnp.pad(decode_ids, (0, block), constant_values=max_seqs)
     heads_first = (((3, ), (3, )), ((0, 1), (0, 1)))  # [D, K, G, H] x [D, K, keys, H]
     keys_summed = (((3, ), (2, )), ((0, 1), (0, 1)))  # [D, K, G, keys] x [D, K, keys, H]
 
-    def decode_blocks(i, out):
-        ids = lax.dynamic_slice(decode_ids, (i * decode_block, ), (decode_block, ))
+    def request_block(i, out):
+        ids = lax.dynamic_slice(decode_ids, (i * block, ), (block, ))
         valid = ids < max_seqs
         ids = jnp.minimum(ids, max_seqs - 1)
         rows = cu_q_lens[ids]
         hi = jnp.where(valid, seq_lens[ids], 0)  # keys [lo, hi)
         lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
-        qb = q[rows].reshape(decode_block, kv_heads, group, head_dim).astype(jnp.float32)
+        qb = q[rows].reshape(block, kv_heads, group, head_dim).astype(jnp.float32)
 
         def key_step(c, carry):
-            keys, values = gather_keys(ids, c, decode_pages)  # [D, S*B, K, H]
+            keys, values = _gather_keys(paged, ids, c, pages)  # [D, S*B, K, H]
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-            s = scaled(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
-            pos = c * decode_keys + jnp.arange(decode_keys)
+            s = scale(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
+            pos = c * block_keys + jnp.arange(block_keys)
             mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
             return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
                 carry, s, values, mask, lambda p, vals: lax.dot_general(p, vals, keys_summed))
 
-        init = (jnp.full((decode_block, kv_heads, group), _MASKED, jnp.float32),
-                jnp.zeros((decode_block, kv_heads, group), jnp.float32),
-                jnp.zeros((decode_block, kv_heads, group, head_dim), jnp.float32))
-        first = jnp.where(valid, lo, jnp.iinfo(jnp.int32).max).min() // decode_keys
-        last = -(-hi.max() // decode_keys)
-        _, l, acc = lax.fori_loop(jnp.minimum(first, last), last, key_step, init)
-        o = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(decode_block, num_heads, head_dim)
+        first = jnp.where(valid, lo, jnp.iinfo(jnp.int32).max).min() // block_keys
+        last = -(-hi.max() // block_keys)
+        o = _attend_key_blocks(key_step, jnp.minimum(first, last), last,
+                               (block, kv_heads, group), head_dim)  # [D, K, G, H]
+        o = o.reshape(block, num_heads, head_dim)
         return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
 
-    num_decode = is_decode.sum()
-    out = lax.fori_loop(0, -(-num_decode // decode_block), decode_blocks, out)
+    return lax.fori_loop(0, -(-is_decode.sum() // block), request_block, out)
 
-    # --- prefill: `q_block` queries of one request at a time ---
+
+def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, q_block,
+             kv_block):
+    """Attends the requests of several queries, `q_block` queries of one request at a time,
+    into their rows of out."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = paged.kv_heads
+    group = num_heads // kv_heads
+    page_size = paged.kv_cache.shape[1]
+    pages = max(1, kv_block // page_size)
+    block_keys = pages * page_size
+    key_offsets = jnp.arange(block_keys)
     is_prefill = q_lens > 1
-    prefill_ids = jnp.nonzero(is_prefill, size=max_seqs, fill_value=0)[0]
+    prefill_ids = jnp.nonzero(is_prefill, size=q_lens.shape[0], fill_value=0)[0]
     q_padded = jnp.pad(q, ((0, q_block), (0, 0), (0, 0)))
     query_offsets = jnp.arange(q_block)
 
-    def prefill_seq(i, out):
+    def request(i, out):
         r = prefill_ids[i]
         q_len, kv_len = q_lens[r], seq_lens[r]
         context = kv_len - q_len
@@ -218,21 +262,19 @@ def ragged_paged_attention(
             lo = jnp.maximum(context + b * q_block - sliding_window + 1, 0) if sliding_window else 0
 
             def key_step(c, carry):
-                keys, values = gather_keys(r, c)  # [S*B, K, H]
-                s = scores_of(qb, keys, "qkgh,skh->kgqs")
-                k_pos = c * key_block + key_offsets
+                keys, values = _gather_keys(paged, r, c, pages)  # [S*B, K, H]
+                s = scale(jnp.einsum("qkgh,skh->kgqs", qb, keys,
+                                     preferred_element_type=jnp.float32))  # [K, G, Q, S*B]
+                k_pos = c * block_keys + key_offsets
                 mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
                 if sliding_window:
                     mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-                return _online_softmax_step(
+                return _online_softmax_step(  # carry: [K, G, Q], [K, G, Q], [K, G, Q, H]
                     carry, s, values, mask[None, None],
                     lambda p, vals: jnp.einsum("kgqs,skh->kgqh", p, vals))
 
-            init = (jnp.full((kv_heads, group, q_block), _MASKED, jnp.float32),
-                    jnp.zeros((kv_heads, group, q_block), jnp.float32),
-                    jnp.zeros((kv_heads, group, q_block, head_dim), jnp.float32))
-            _, l, acc = lax.fori_loop(lo // key_block, -(-hi // key_block), key_step, init)
-            o = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G, Q, H]
+            o = _attend_key_blocks(key_step, lo // block_keys, -(-hi // block_keys),
+                                   (kv_heads, group, q_block), head_dim)  # [K, G, Q, H]
             o = o.transpose(2, 0, 1, 3).reshape(q_block, num_heads, head_dim).astype(q.dtype)
             old = lax.dynamic_slice(out, (row0, 0, 0), o.shape)
             return lax.dynamic_update_slice(
@@ -240,8 +282,7 @@ def ragged_paged_attention(
 
         return lax.fori_loop(0, -(-q_len // q_block), query_block, out)
 
-    out = lax.fori_loop(0, is_prefill.sum(), prefill_seq, out)
-    return out[:num_tokens], kv_cache
+    return lax.fori_loop(0, is_prefill.sum(), request, out)
 
 
 class PortableAttentionBackend(AttentionBackend):
