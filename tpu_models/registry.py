@@ -60,9 +60,9 @@ def by_export_name(name: str) -> Architecture:
     raise ValueError(f"--model {name!r}: one of {', '.join(export_names())}")
 
 
-def export_names(format: str = "maxtext") -> list[str]:
-    """The `--model` names an exporter of `format` ("maxtext" or "tunix") accepts."""
-    return [a.export_name for a in architectures() if getattr(a, format) is not None]
+def export_names(trainer: str = "maxtext") -> list[str]:
+    """The `--model` names the exporter from `trainer` ("maxtext" or "tunix") accepts."""
+    return [a.export_name for a in architectures() if getattr(a, trainer) is not None]
 
 
 def for_config(config: Mapping | Any) -> Architecture:
