@@ -82,12 +82,15 @@ def _get(config, key, default=None):
     return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
 
 
-def decoder_table(config: Any, layer: Mapping[str, tuple], *, tied: bool,
+def decoder_table(config: Any, layer: Mapping[str, tuple], *, tied: bool | None = None,
                   extra: Mapping[str, tuple] | None = None
                   ) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
     """(name -> shape, optional names) of a decoder checkpoint: embedding and final
     norm, `layer` per layer (biases when config.json says so), lm_head unless
-    `tied` (then an lm_head copy may be present), and `extra` tensors."""
+    tied (then an lm_head copy may be present), and `extra` tensors. `tied`
+    None: config.json's tie_word_embeddings."""
+    if tied is None:
+        tied = bool(_get(config, "tie_word_embeddings", False))
     table = {**EMBEDDING_AND_NORM, **layer, **(extra or {})}
     if _get(config, "attention_bias", False):
         table.update(ATTENTION_BIAS)

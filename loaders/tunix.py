@@ -61,11 +61,15 @@ class TunixMapping:
     fused_weights: dict[str, Rule] | None = None
 
     def matches(self, leaves) -> bool:
-        return any(m in leaf for leaf in leaves for m in self.markers)
+        return _holds(leaves, self.markers)
 
     def weight_rules(self, leaves) -> dict[str, Rule]:
-        fused = any(m in leaf for leaf in leaves for m in self.fused_markers)
-        return self.fused_weights if fused else self.weights
+        return self.fused_weights if _holds(leaves, self.fused_markers) else self.weights
+
+
+def _holds(leaves, fragments) -> bool:
+    """Whether any leaf path contains one of `fragments`."""
+    return any(f in leaf for leaf in leaves for f in fragments)
 
 
 class TunixCheckpoint:

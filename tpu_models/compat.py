@@ -85,9 +85,13 @@ def setup_host(device: str = "auto", env=None) -> str | None:
     platform = jax_platform(device, env)
     if platform is not None:
         env["JAX_PLATFORMS"] = platform
-        for key, value in TPU_IDENTITY.items():
-            env.setdefault(key, value)
+        _set_tpu_identity(env)
     return platform
+
+
+def _set_tpu_identity(env) -> None:
+    for key, value in TPU_IDENTITY.items():
+        env.setdefault(key, value)
 
 
 def host_platform() -> str | None:
@@ -117,8 +121,7 @@ def install() -> None:
         return
     _grammar_rows_in_request_order()
     if platform is not None:
-        for key, value in TPU_IDENTITY.items():
-            os.environ.setdefault(key, value)
+        _set_tpu_identity(os.environ)
         os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
         _mesh_without_coords()
         _memory_from_host(platform)

@@ -26,17 +26,12 @@ STRUCTURAL_HEAD = {
 }
 
 
-def _tied(config) -> bool:
-    get = config.get if isinstance(config, dict) else lambda k, d: getattr(config, k, d)
-    return bool(get("tie_word_embeddings", False))
-
-
 def qwen3_table(config):
-    return tables.decoder_table(config, LAYER, tied=_tied(config))
+    return tables.decoder_table(config, LAYER)
 
 
 def qwen3_structural_table(config):
-    return tables.decoder_table(config, LAYER, tied=_tied(config), extra=STRUCTURAL_HEAD)
+    return tables.decoder_table(config, LAYER, extra=STRUCTURAL_HEAD)
 
 
 # --- MaxText ------------------------------------------------------------------------
