@@ -30,6 +30,9 @@ one, a CPU computes every padded row, so a lone decode paid 16x its matmuls.
 Upstream fixes (`install`, every platform, TPU included): tpu-inference bugs
 that give wrong results.
 
+Serving features (`install`, every platform): what tpu-inference's flax_nnx
+path lacks for our models: a hybrid KV cache for sliding-window layers.
+
 tpu-inference's only extension points here are for models and attention
 (register_model, register_attention_backend, used by tpu_models.plugin);
 everything else is a patch, each in one function below, applied only to
@@ -120,6 +123,7 @@ def install() -> None:
         _installed = True
         return
     _grammar_rows_in_request_order()
+    _sliding_window_kv_cache_groups()
     if platform is not None:
         _set_tpu_identity(os.environ)
         os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
@@ -288,3 +292,87 @@ def _grammar_rows_in_request_order() -> None:
         return original(self, logits, grammar_output)
 
     StructuredDecodingManager.prepare_structured_decoding_input = prepare_structured_decoding_input
+
+
+# --- serving features (every platform) -------------------------------------------
+
+
+def _sliding_window_kv_cache_groups() -> None:
+    """Sliding-window layers of our models declare their window to vLLM.
+
+    tpu-inference 0.32.0 gives every flax_nnx layer a FullAttentionSpec, so a
+    Gemma 3 local layer (window 512) keeps the whole context. With a
+    SlidingWindowSpec, vLLM's hybrid KV cache manager puts local and global
+    layers in separate groups sharing one page pool, frees pages that left the
+    window, and the runner hands each layer its group's block table
+    (GroupedAttentionMetadata) and its slot in the shared caches, which
+    `Decoder` reads. --disable-hybrid-kv-cache-manager turns the specs back
+    into full ones (vLLM's unify_hybrid_kv_cache_specs). tpu-inference's
+    built-in models, and our models run through vLLM's PyTorch path, are
+    left as they are.
+
+    Allocation: vLLM overlays the groups (layer j of every group at the same
+    bytes; block ids are never owned by two groups at once). tpu-inference
+    0.32.0 overlays them only when a group has more than one layer; with one
+    layer per group (e.g. 5 local + 1 global layers) it would allocate every
+    group the whole pool, more memory than vLLM budgeted. So the tensors are
+    handed to it as one per overlaid position, which it allocates once.
+    """
+    from tpu_inference.runner.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    original = KVCacheManager.get_kv_cache_spec
+    original_initialize = KVCacheManager.initialize_kv_cache
+
+    def get_kv_cache_spec(self):
+        specs = original(self)
+        model_class = _our_flax_model(self.runner.vllm_config)
+        if model_class is None:
+            return specs
+        windows = model_class.sliding_windows(self.runner.model_config.hf_text_config)
+        for i, window in enumerate(windows):
+            spec = specs.get(f"layer.{i}")
+            if window is not None and type(spec) is FullAttentionSpec:
+                specs[f"layer.{i}"] = self._create_attention_spec(
+                    spec.block_size, spec.num_kv_heads, spec.head_size, sliding_window=window)
+        return specs
+
+    def initialize_kv_cache(self, kv_cache_config):
+        if (len(kv_cache_config.kv_cache_groups) > 1
+                and _our_flax_model(self.runner.vllm_config) is not None):
+            kv_cache_config = dataclasses.replace(
+                kv_cache_config, kv_cache_tensors=_overlaid_tensors(kv_cache_config))
+        return original_initialize(self, kv_cache_config)
+
+    KVCacheManager.get_kv_cache_spec = get_kv_cache_spec
+    KVCacheManager.initialize_kv_cache = initialize_kv_cache
+
+
+def _overlaid_tensors(kv_cache_config) -> list:
+    """One KVCacheTensor per byte position, listing the layers (one per group)
+    vLLM places there: tpu-inference allocates each such tensor once, shared."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    layers_at: dict[int, list[str]] = {}
+    size = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        for j, name in enumerate(tensor.layers):
+            position = tensor.offset + j * tensor.layer_stride
+            layers_at.setdefault(position, []).append(name)
+            size[position] = tensor.size // len(tensor.layers)  # one layer's pages
+    return [KVCacheTensor(size=size[position], layers=names, layer_stride=0, block_stride=0)
+            for position, names in sorted(layers_at.items())]
+
+
+def _our_flax_model(vllm_config):
+    """The tpu_models class the engine runs for this model on the flax_nnx path, else None."""
+    if vllm_config.compilation_config.static_forward_context:
+        return None  # vLLM's PyTorch model (MODEL_IMPL_TYPE=vllm): its layers declare themselves
+    from tpu_inference.models.common.model_loader import _MODEL_REGISTRY
+
+    from tpu_models.decoder import CausalLM
+    for name in vllm_config.model_config.architectures or ():
+        model_class = _MODEL_REGISTRY.get(name)
+        if isinstance(model_class, type) and issubclass(model_class, CausalLM):
+            return model_class
+    return None

@@ -123,7 +123,11 @@ class Decoder(JaxModule):
                   prefix=f"model.layers.{i}") for i in range(cfg.num_layers)])
         self.norm = layer.norm(cfg, cfg.hidden_size, rngs, "model.norm")
 
-    def __call__(self, kv_caches, input_ids, md, inputs_embeds=None):
+    def __call__(self, kv_caches, input_ids, md, inputs_embeds=None, cache_index=None):
+        """`md`: one AttentionMetadata, or the runner's {"layer.{i}": metadata}
+        when the KV cache has groups (each with its block table); `cache_index`:
+        {"layer.{i}": index into kv_caches}, shared by layers of different
+        groups (default: layer i owns kv_caches[i])."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [T, D]
             if self.cfg.embedding_scale is not None:
@@ -132,7 +136,9 @@ class Decoder(JaxModule):
                                                             self.cfg.dtype)
         x = inputs_embeds
         for i, layer in enumerate(self.layers):
-            kv_caches[i], x = layer(kv_caches[i], x, md)
+            name = f"layer.{i}"
+            c = cache_index.get(name, i) if cache_index else i
+            kv_caches[c], x = layer(kv_caches[c], x, md[name] if isinstance(md, dict) else md)
         return kv_caches, self.norm(x)
 
 
@@ -161,6 +167,13 @@ class CausalLM(JaxModule, LoadableWithIterator):
                                      dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                      kernel_init=sharded(None, ShardingAxisName.VOCAB))
 
+    @classmethod
+    def sliding_windows(cls, hf_config) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), for the KV-cache
+        specs the engine groups layers by (tpu_models.compat)."""
+        cfg = cls.config_class.from_hf_config(hf_config, dtype=jnp.float32)
+        return [layer.sliding_window for layer in cfg.layers]
+
     def build_head(self, rngs: nnx.Rngs, settings: runtime.EngineSettings) -> None:
         """Modules of `head`, if any."""
 
@@ -168,9 +181,10 @@ class CausalLM(JaxModule, LoadableWithIterator):
         return hidden
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None,
-                 _input_positions=None, _layer_name_to_kv_cache=None, _lora_metadata=None,
+                 _input_positions=None, layer_name_to_kv_cache=None, _lora_metadata=None,
                  intermediate_tensors=None, is_first_rank=True, is_last_rank=True, *args):
-        kv_caches, hidden = self.model(kv_caches, input_ids, attention_metadata, inputs_embeds)
+        kv_caches, hidden = self.model(kv_caches, input_ids, attention_metadata, inputs_embeds,
+                                       dict(layer_name_to_kv_cache or ()))
         return kv_caches, hidden, [], None  # no auxiliary hidden states or expert ids
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
