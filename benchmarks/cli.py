@@ -60,6 +60,11 @@ def parser() -> argparse.ArgumentParser:
                                        "host's memory bandwidth (model level)")
     step.add_argument("args", nargs=argparse.REMAINDER, help="see python -m benchmarks.step -h")
 
+    kv_cache = sub.add_parser("kv-cache", help="Gemma 3's hybrid KV cache vs disabled: capacity "
+                                               "and 8K-context decode (served)")
+    kv_cache.add_argument("args", nargs=argparse.REMAINDER,
+                          help="see python -m benchmarks.kv_cache -h")
+
     quant = sub.add_parser("quant", help="quality (top-1, KL, greedy), weight bytes and decode "
                                          "speed of each quantization preset (model level)")
     quant.add_argument("args", nargs=argparse.REMAINDER,
@@ -116,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["step"]:  # its options are the benchmark's own
         from benchmarks.step import main as step_main
         step_main(argv[1:])
+        return
+    if argv[:1] == ["kv-cache"]:
+        from benchmarks.kv_cache import main as kv_cache_main
+        kv_cache_main(argv[1:])
         return
     if argv[:1] == ["quant"]:
         from benchmarks.quant_quality import main as quant_main

@@ -34,14 +34,12 @@ def make_pair(directory: Path, shape: dict) -> tuple[Path, Path]:
     """(ours, builtin): one random Qwen3 decoder, with and without the structural head."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from benchmarks.checkpoints import word_tokenizer
 
     builtin, ours = directory / "qwen3", directory / "qwen3-structural"
-    vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+    tokenizer = word_tokenizer(shape["vocab_size"])
     torch.manual_seed(0)
     config = Qwen3Config(**shape, tie_word_embeddings=False, max_position_embeddings=4096,
                          eos_token_id=1, bos_token_id=1, initializer_range=0.02)

@@ -1,6 +1,7 @@
 """A `tpu-models serve` (hence `vllm serve`) process on loopback, for tests and benchmarks."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,6 +11,10 @@ from pathlib import Path
 
 import requests
 
+# vLLM's start-up line (v1/core/kv_cache_utils.py), e.g. "TPU KV cache size: 10,381
+# tokens, Maximum concurrency for 512 tokens per request: 20.28x".
+KV_CAPACITY = re.compile(r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for "
+                         r"[\d,]+ tokens per request: (?P<concurrency>[\d.]+)x")
 STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minutes
 
 
@@ -87,6 +92,20 @@ class Server:
 
     def output(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
+
+    def kv_capacity(self, timeout: float = STARTUP_TIMEOUT) -> tuple[int, float]:
+        """(tokens, maximum concurrency at --max-model-len) of the KV cache, as
+        vLLM logs them once it is sized (before compilation: a launched server
+        need not be started)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = KV_CAPACITY.search(self.output())
+            if match:
+                return int(match["tokens"].replace(",", "")), float(match["concurrency"])
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.tail()}")
+            time.sleep(0.5)
+        raise TimeoutError(f"no KV cache size logged after {timeout}s:\n{self.tail()}")
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.output().splitlines()[-lines:])

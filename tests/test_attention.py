@@ -125,6 +125,36 @@ def test_matches_dense_reference(case, heads, window, soft_cap, decode_block_byt
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("case", ["mixed", "long_context_few_queries", "decode_only"])
+@pytest.mark.parametrize("window", [7, 16, 33])
+def test_pages_that_left_the_window_are_never_read(case, window):
+    """The hybrid KV cache returns pages behind a local layer's window to the pool
+    (vLLM then points the block table at its null page, or the page is reused):
+    here they hold NaN, which any read would spread to the output."""
+    rng = np.random.default_rng(1)
+    num_heads, kv_heads, head_dim = 8, 2, 32
+    requests = CASES[case]
+    inputs, per_request = make_batch(rng, requests, num_heads, kv_heads, head_dim,
+                                     num_tokens=sum(q for _, q in requests) + 5)
+    inputs["kv_cache"][0] = np.nan  # page 0 is the null page
+    tables = inputs["block_tables"].reshape(8, -1)
+    gone = 0
+    for r, (context, q_len) in enumerate(requests):
+        first_key = max(context - window + 1, 0) if q_len > 1 else max(context + 1 - window, 0)
+        tables[r, :first_key // PAGE] = 0
+        gone += first_key // PAGE
+    assert gone > 0  # the case has pages behind the window
+    scale = head_dim**-0.5
+    out, _ = jax.jit(lambda **kw: ragged_paged_attention(
+        **kw, sm_scale=scale, sliding_window=window, q_block=16, kv_block=16, decode_block=3,
+        decode_kv_block=16))(**{k: jnp.asarray(v) for k, v in inputs.items()})
+    out = np.asarray(out)
+    for rows, q_r, k_all, v_all, context in per_request:
+        want = dense_reference(q_r, k_all, v_all, context, scale=scale, window=window,
+                               soft_cap=None)
+        np.testing.assert_allclose(out[rows], want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("case", ["decode_only", "mixed"])
 def test_decode_block_shrinks_to_the_byte_budget(case):
     """A budget below one request's key block: decodes go one request at a time."""

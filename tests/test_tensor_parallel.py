@@ -40,10 +40,13 @@ def test_vllm_serve_tensor_parallel_2_matches_transformers(tmp_path):
     directory = make_gemma3(tmp_path / "gemma3", num_heads=4, num_kv_heads=1, vocab_size=383)
     reference = Reference(directory)
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 380, n).tolist() for n in (2, 30, 90)]
+    # up to 10 windows of the local layers, prefilled in chunks of 64
+    prompts = [rng.integers(0, 380, n).tolist() for n in (2, 30, 90, 160)]
     with Server(directory, "--dtype", "float32", "--max-model-len", "512",
                 "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "67108864",
-                "--served-model-name", "tiny", log=tmp_path / "serve.log", env=FOUR_DEVICES) as s:
-        got = complete_all(s, prompts)
+                "--max-num-batched-tokens", "64", "--served-model-name", "tiny",
+                log=tmp_path / "serve.log", env=FOUR_DEVICES) as s:
+        assert "num_kv_cache_groups=6" in s.output()  # the hybrid KV cache, sharded
+        got = complete_all(s, prompts, max_tokens=40)
     for prompt, ids in zip(prompts, got):
-        assert ids == reference.greedy(prompt, 8)
+        assert ids == reference.greedy(prompt, 40)

@@ -44,8 +44,11 @@ def make_qwen3(directory: Path, *, structural: bool = True, tied: bool = False,
                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                hidden_size: int = 64, num_layers: int = 2, intermediate_size: int = 128,
                vocab_size: int = 384, max_position_embeddings: int = 8192,
-               attention_bias: bool = False, seed: int = 0, dtype: str = "float32") -> Path:
-    """Writes an HF Qwen3 (or Qwen3-structural) checkpoint with a tokenizer."""
+               attention_bias: bool = False, sliding_window: int | None = None,
+               layer_types: list[str] | None = None, seed: int = 0,
+               dtype: str = "float32") -> Path:
+    """Writes an HF Qwen3 (or Qwen3-structural) checkpoint with a tokenizer;
+    `layer_types` "sliding_attention" layers attend `sliding_window` tokens."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     directory = Path(directory)
@@ -57,7 +60,8 @@ def make_qwen3(directory: Path, *, structural: bool = True, tied: bool = False,
         num_key_value_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tied,
         attention_bias=attention_bias, initializer_range=0.08, rms_norm_eps=1e-6,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+        use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+        layer_types=layer_types, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
@@ -187,6 +191,25 @@ class Reference:
             return self.model(input_ids=ids).logits[0].numpy()
         hidden = self.model.model(input_ids=ids).last_hidden_state  # after model.norm
         return self.model.lm_head(torch.tanh(self.head(hidden)))[0].numpy()
+
+    @torch.no_grad()
+    def greedy_cached(self, token_ids, max_tokens: int, chunk: int = 1024) -> list[int]:
+        """Greedy ids through transformers' own KV cache, the prompt fed `chunk`
+        tokens at a time: for prompts whose attention over the whole sequence
+        at once would not fit in memory. (Gemma 3 only: no structural head.)"""
+        from transformers import DynamicCache
+
+        assert self.head is None
+        cache = DynamicCache(config=self.model.config)
+        pieces = [token_ids[i:i + chunk] for i in range(0, len(token_ids), chunk)]
+        out = []
+        for _ in range(max_tokens):
+            for piece in pieces:
+                logits = self.model(input_ids=torch.tensor([list(piece)]), past_key_values=cache,
+                                    use_cache=True).logits
+            out.append(int(logits[0, -1].argmax()))
+            pieces = [[out[-1]]]
+        return out
 
     @torch.no_grad()
     def greedy(self, token_ids, max_tokens: int) -> list[int]:

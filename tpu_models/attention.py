@@ -106,11 +106,13 @@ class _PagedKV(NamedTuple):
     v_scale: float | None
 
 
-def _gather_keys(paged, seq_rows, block_idx, pages):
-    """Key block `block_idx` (`pages` pages) of the requests seq_rows -> k, v [..., S*B, K, H]."""
+def _gather_keys(paged, seq_rows, first_page, block_idx, pages):
+    """Key block `block_idx` (`pages` pages) from each request's `first_page` on,
+    of the requests seq_rows -> k, v [..., S*B, K, H]."""
     cache, tables = paged.kv_cache, paged.block_tables
-    cols = jnp.clip(block_idx * pages + jnp.arange(pages), 0, tables.shape[1] - 1)
-    rows = cache[tables[seq_rows][..., cols]]  # [..., B, S, slots, packing, Hp]
+    cols = jnp.asarray(first_page)[..., None] + block_idx * pages + jnp.arange(pages)
+    cols = jnp.clip(cols, 0, tables.shape[1] - 1)
+    rows = cache[jnp.take_along_axis(tables[seq_rows], cols, axis=-1)]  # [..., B, S, slots, packing, Hp]
     rows = rows.reshape(*rows.shape[:-5], pages * cache.shape[1], *rows.shape[-3:])
     return _unpack_kv(rows, paged.kv_heads, paged.head_dim, paged.k_scale, paged.v_scale)
 
@@ -210,20 +212,22 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
         rows = cu_q_lens[ids]
         hi = jnp.where(valid, seq_lens[ids], 0)  # keys [lo, hi)
         lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
+        # Each request reads from the page holding its window's first key: the
+        # pages before it may already be back in the pool (hybrid KV cache).
+        first_page = lo // page_size
         qb = q[rows].reshape(block, kv_heads, group, head_dim).astype(jnp.float32)
 
         def key_step(c, carry):
-            keys, values = _gather_keys(paged, ids, c, pages)  # [D, S*B, K, H]
+            keys, values = _gather_keys(paged, ids, first_page, c, pages)  # [D, S*B, K, H]
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
             s = scale(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
-            pos = c * block_keys + jnp.arange(block_keys)
+            pos = (first_page * page_size)[:, None] + c * block_keys + jnp.arange(block_keys)
             mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
             return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
                 carry, s, values, mask, lambda p, vals: lax.dot_general(p, vals, keys_summed))
 
-        first = jnp.where(valid, lo, jnp.iinfo(jnp.int32).max).min() // block_keys
-        last = -(-hi.max() // block_keys)
-        o = _attend_key_blocks(key_step, jnp.minimum(first, last), last,
+        steps = -(-(hi - first_page * page_size) // block_keys)
+        o = _attend_key_blocks(key_step, 0, jnp.where(valid, steps, 0).max(),
                                (block, kv_heads, group), head_dim)  # [D, K, G, H]
         o = o.reshape(block, num_heads, head_dim)
         return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
@@ -260,12 +264,13 @@ def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_windo
             q_valid = b * q_block + query_offsets < q_len
             hi = jnp.minimum(context + (b + 1) * q_block, kv_len)
             lo = jnp.maximum(context + b * q_block - sliding_window + 1, 0) if sliding_window else 0
+            first_page = lo // page_size  # pages before the window are never read
 
             def key_step(c, carry):
-                keys, values = _gather_keys(paged, r, c, pages)  # [S*B, K, H]
+                keys, values = _gather_keys(paged, r, first_page, c, pages)  # [S*B, K, H]
                 s = scale(jnp.einsum("qkgh,skh->kgqs", qb, keys,
                                      preferred_element_type=jnp.float32))  # [K, G, Q, S*B]
-                k_pos = c * block_keys + key_offsets
+                k_pos = first_page * page_size + c * block_keys + key_offsets
                 mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
                 if sliding_window:
                     mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
@@ -273,7 +278,7 @@ def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_windo
                     carry, s, values, mask[None, None],
                     lambda p, vals: jnp.einsum("kgqs,skh->kgqh", p, vals))
 
-            o = _attend_key_blocks(key_step, lo // block_keys, -(-hi // block_keys),
+            o = _attend_key_blocks(key_step, 0, -(-(hi - first_page * page_size) // block_keys),
                                    (kv_heads, group, q_block), head_dim)  # [K, G, Q, H]
             o = o.transpose(2, 0, 1, 3).reshape(q_block, num_heads, head_dim).astype(q.dtype)
             old = lax.dynamic_slice(out, (row0, 0, 0), o.shape)
