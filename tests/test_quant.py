@@ -411,7 +411,8 @@ SERVED = [  # (preset, model, extra server arguments): each preset once, both mo
     ("int8-weight-only", "qwen3", []),
     ("int8", "qwen3", []),
     ("fp8", "qwen3", ["--kv-cache-dtype", "fp8"]),
-    ("int4-weight-only", "gemma3", []),
+    # Gemma 3's local layers in their own (window) KV-cache groups, in fp8
+    ("int4-weight-only", "gemma3", ["--kv-cache-dtype", "fp8"]),
 ]
 
 
