@@ -65,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
     kv_cache.add_argument("args", nargs=argparse.REMAINDER,
                           help="see python -m benchmarks.kv_cache -h")
 
+    startup = sub.add_parser("startup", help="cold start and warm restart of `tpu-models serve`, "
+                                             "by phase")
+    startup.add_argument("args", nargs=argparse.REMAINDER,
+                         help="see python -m benchmarks.startup -h")
+
     quant = sub.add_parser("quant", help="quality (top-1, KL, greedy), weight bytes and decode "
                                          "speed of each quantization preset (model level)")
     quant.add_argument("args", nargs=argparse.REMAINDER,
@@ -125,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["kv-cache"]:
         from benchmarks.kv_cache import main as kv_cache_main
         kv_cache_main(argv[1:])
+        return
+    if argv[:1] == ["startup"]:
+        from benchmarks.startup import main as startup_main
+        startup_main(argv[1:])
         return
     if argv[:1] == ["quant"]:
         from benchmarks.quant_quality import main as quant_main

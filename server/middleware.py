@@ -1,11 +1,65 @@
 """ASGI middleware `tpu-models serve` adds to vLLM's API server (`--middleware`).
 
-vLLM answers a body that is not UTF-8 with a bare "There was an error parsing
+TpuModels (the one passed): both below, as one --middleware (vLLM warns about a repeated flag).
+
+ReadyLine: one log line once the server is up, with what a newcomer asks first.
+
+RequireUtf8Body: vLLM answers a body that is not UTF-8 with a bare "There was an error parsing
 the body"; this names what is wrong, in the OpenAI error format, before the
 request reaches vLLM. JSON between systems must be UTF-8 (RFC 8259 section 8.1).
 """
 
 import json
+import os
+
+# Where `tpu-models serve` told vLLM to listen (vLLM's app does not know its own URL).
+URL_ENV = "TPU_MODELS_URL"
+
+
+class TpuModels:
+
+    def __init__(self, app):
+        self.app = ReadyLine(RequireUtf8Body(app))
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)
+
+
+class ReadyLine:
+    """Logs "tpu-models: ready: MODEL (DTYPE, PLATFORM), KV cache N tokens,
+    C requests at --max-model-len L, URL" when the API server's start-up ends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def watch(message):
+            if message["type"] == "lifespan.startup.complete":
+                _log_ready(scope["app"].state)
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+def _log_ready(state) -> None:
+    from tpu_inference.logger import init_logger
+
+    from tpu_models import compat
+    config = state.vllm_config
+    model, cache = config.model_config, config.cache_config
+    tokens = getattr(cache, "kv_cache_size_tokens", None)
+    concurrency = getattr(cache, "kv_cache_max_concurrency", None)
+    capacity = (f"KV cache {tokens:,} tokens, {concurrency:.2f} requests at --max-model-len "
+                f"{model.max_model_len:,}" if tokens is not None and concurrency is not None
+                else "KV cache size unknown")
+    platform = compat.host_platform() or "tpu"
+    init_logger("tpu_models.ready").info(
+        "tpu-models: ready: %s (%s, %s), %s, %s", model.served_model_name,
+        str(model.dtype).removeprefix("torch."), platform, capacity,
+        os.environ.get(URL_ENV, "see 'Starting vLLM server on' above"))
 
 
 class RequireUtf8Body:

@@ -79,9 +79,11 @@ class Server:
         finally:
             self.stop()
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Sends `sig` to the server's process group (as a service manager, or
+        Ctrl-C in a terminal, does) and waits; kills it after 30 s."""
         if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            os.killpg(self.process.pid, sig)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:

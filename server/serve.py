@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from quant import rules as quant_rules
+from server import middleware
 from tpu_models import compat
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -66,10 +67,11 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         vllm_args = _with_additional_config(vllm_args, {"check_weights": True})
     if args.quant:
         vllm_args = _with_additional_config(vllm_args, quant_rules.additional_config(args.quant))
-    vllm_args += ["--middleware", "server.middleware.RequireUtf8Body"]
+    vllm_args += ["--middleware", "server.middleware.TpuModels"]
     if not _given(vllm_args, "--host"):
         vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *vllm_args]
+    env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
+    command = [sys.executable, "-m", "server.vllm_main", "serve", model, *vllm_args]
     return command, env
 
 
@@ -90,6 +92,17 @@ def _with_additional_config(args: list[str], extra: dict) -> list[str]:
 
 def _given(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    """The last value given for `flag` (`--flag V` or `--flag=V`), else None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def check_model(model: str) -> None:

@@ -63,7 +63,8 @@ _installed = False
 def _logger():
     # vLLM's logger, imported late: importing vllm before setup_host would pick
     # the platform (and query TPU metadata) too early.
-    from vllm.logger import init_logger
+    # tpu-inference's init_logger names it under "vllm.", whose handler prints it.
+    from tpu_inference.logger import init_logger
     return init_logger("tpu_models.compat")
 
 
@@ -89,6 +90,10 @@ def setup_host(device: str = "auto", env=None) -> str | None:
     if platform is not None:
         env["JAX_PLATFORMS"] = platform
         _set_tpu_identity(env)
+    # tpu-inference keeps compilations in JAX's persistent cache (VLLM_XLA_CACHE_PATH),
+    # which by default skips any that took under 1 s: most of ours off-TPU, and the
+    # small ones on TPU, so a restart compiled them all again.
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return platform
 
 
@@ -122,7 +127,10 @@ def install() -> None:
                           version, TPU_INFERENCE_VERSION)
         _installed = True
         return
+    from tpu_models import logs
+    logs.quiet()  # again, for plain `vllm serve` (tpu-models serve has them from the start)
     _grammar_rows_in_request_order()
+    _weight_loading_timed()
     _sliding_window_kv_cache_groups()
     if platform is not None:
         _set_tpu_identity(os.environ)
@@ -200,8 +208,13 @@ def _memory_from_host(platform: str) -> None:
 
     def determine_available_memory(self) -> int:
         budget = kv_cache_budget(self.cache_config)
-        _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB (set it with "
-                       "--kv-cache-memory-bytes)", platform, budget / 2**30)
+        if self.cache_config.kv_cache_memory_bytes:
+            _logger().info("tpu-models: KV cache budget on this %s host: %.2f GiB", platform,
+                           budget / 2**30)
+        else:  # a guess: say how to choose
+            _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB, %d%% of "
+                              "available memory (set it with --kv-cache-memory-bytes)", platform,
+                              budget / 2**30, KV_CACHE_SHARE * 100)
         return budget
 
     def mem_get_info(cls):
@@ -292,6 +305,25 @@ def _grammar_rows_in_request_order() -> None:
         return original(self, logits, grammar_output)
 
     StructuredDecodingManager.prepare_structured_decoding_input = prepare_structured_decoding_input
+
+
+def _weight_loading_timed() -> None:
+    """"Loading weights took N seconds": vLLM starts that clock when its own
+    safetensors iterator is first read, which our models (reading the checkpoint
+    themselves, tpu_models.runtime.load_checkpoint) never do, so it logged the
+    host's uptime (e.g. 12436 s for 7.8 MB). Start it when loading starts."""
+    import time
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    original = DefaultModelLoader.load_weights
+
+    def load_weights(self, model, model_config):
+        if not self.counter_before_loading_weights:
+            self.counter_before_loading_weights = time.perf_counter()
+        return original(self, model, model_config)
+
+    DefaultModelLoader.load_weights = load_weights
 
 
 # --- serving features (every platform) -------------------------------------------

@@ -1,0 +1,15 @@
+"""vLLM's command line, with tpu-models' log filters (tpu_models.logs) installed first.
+
+`tpu-models serve` runs `python -m server.vllm_main serve ...` rather than
+`vllm serve ...`: the filters must be in place before vLLM's first import
+probes the platform. vLLM's engine processes are spawned, and a spawned process
+re-imports its parent's main module, so the top level below runs there too.
+"""
+
+from tpu_models import logs
+
+logs.quiet()
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+    main()

@@ -1,0 +1,96 @@
+"""A healthy start and stop of `tpu-models serve` logs no error and none of the
+lines tpu_models.logs silences; those filters drop only what they name."""
+
+import logging
+import re
+import signal
+
+import pytest
+
+from server.process import Server
+from tpu_models import logs
+
+SILENCED = [prefix for table in (logs.OFF_TPU, logs.ALWAYS) for prefixes in table.values()
+            for prefix in prefixes]
+
+
+def records_through(logger_name: str, *messages) -> list[str]:
+    logger = logging.getLogger(logger_name)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        for message, *args in messages:
+            logger.warning(message, *args)
+    finally:
+        logger.removeHandler(handler)
+    return seen
+
+
+def test_filters_drop_only_the_named_messages():
+    logs.quiet()  # JAX_PLATFORMS=cpu here (conftest): the off-TPU table too
+    assert records_through(
+        "vllm.tpu_inference.platforms.tpu_platform",
+        ("Error getting device name: %s", "'NoneType' object has no attribute 'name'"),
+        ("Something else went wrong",)) == ["Something else went wrong"]
+    # equal dtypes spelled by torch and JAX are dropped, a real mismatch is kept
+    template = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert records_through(
+        "vllm.model_executor.models.utils",
+        (template, "w", "torch.float32", "float32"),
+        (template, "w", "torch.bfloat16", "float32")) == [
+            "Attempted to load weight w with dtype torch.bfloat16 into parameter with dtype float32"]
+
+
+def test_a_dead_engine_is_reported_unless_a_signal_stopped_the_server(monkeypatch):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    logs.quiet()
+    monkeypatch.setattr(logs._ShutdownWatch, "triggered", False)
+
+    def report() -> list[str]:
+        logger = logging.getLogger("vllm.v1.engine.async_llm")
+        seen = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        logger.addHandler(handler)
+        try:
+            try:
+                raise EngineDeadError()
+            except EngineDeadError:
+                logger.exception("AsyncLLM output_handler failed.")
+        finally:
+            logger.removeHandler(handler)
+        return seen
+
+    assert report() == ["AsyncLLM output_handler failed."]  # a real failure
+    records_through("vllm.entrypoints.launchers.launcher",
+                    ("[shutdown] API server: shutdown triggered",))
+    assert report() == []  # the engine stopped by the same signal
+
+
+def bad_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines()
+            if re.search(r"\bERROR\b|Traceback", line) or any(p in line for p in SILENCED)]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_demo_server_log_tells_the_truth(stop, tmp_path):
+    server = Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+                    log=tmp_path / "serve.log")
+    with server:
+        server.client().completions.create(model="qwen3-structural-demo", prompt="Lena works",
+                                           max_tokens=8)
+        server.stop(stop)
+    log = server.output()
+    assert bad_lines(log) == []
+    ready = re.search(r"tpu-models: ready: qwen3-structural-demo \(float32, cpu\), KV cache "
+                      r"([\d,]+) tokens, ([\d.]+) requests at --max-model-len 256, "
+                      rf"http://127.0.0.1:{server.port}", log)
+    assert ready, "no ready line"
+    tokens, concurrency = server.kv_capacity()
+    assert (int(ready[1].replace(",", "")), float(ready[2])) == (tokens, concurrency)
+    loading = float(re.search(r"Loading weights took ([\d.]+) seconds", log)[1])
+    assert loading < 10  # 7.8 MB; it used to log the host's uptime

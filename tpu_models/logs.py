@@ -1,0 +1,107 @@
+"""Log lines that are false, or mean nothing, when tpu-inference runs our models.
+
+Each entry names the logger that emits it and how its message starts, and says
+why it is dropped. A filter sits on that logger only, so anything else it says
+(a real failure included) still reaches the log. Installed by
+`server/vllm_main.py` before vLLM starts, in every vLLM process (spawned ones
+re-import it), and by the plugin (tpu_models.compat.install).
+Imports nothing heavy: it runs before vLLM is imported.
+"""
+
+import logging
+import os
+import warnings
+
+# Off-TPU only: tpu-inference and vLLM probing for a TPU, a GPU toolchain or
+# vLLM's CUDA extension, none of which this path uses.
+OFF_TPU = {
+    "vllm.tpu_inference.platforms.tpu_platform": (
+        "Error getting device name",  # tpu_info finds no chip (8-18 times per start)
+        "Pin memory is not supported on TPU"),
+    "vllm.tpu_inference.tpu_info": ("Failed to detect number of TPUs", ),  # no /dev/vfio
+    "vllm.usage.usage_lib": ("Failed to collect TPU information", ),  # the same probe
+    "vllm.platforms.interface": ("Failed to import from vllm._C", ),  # CUDA kernels
+    "vllm.config.vllm": ("Model Runner V2 requires Triton",  # a GPU runner option
+                         "Inductor compilation was disabled"),  # torch.compile: unused by JAX
+    "torch.utils.cpp_extension": ("No CUDA runtime is found", ),
+}
+# Everywhere.
+ALWAYS = {
+    # tpu-inference registers its own loader under vLLM's name, by design.
+    "vllm.model_executor.model_loader": ("Load format `runai_streamer` is already registered", ),
+    # vLLM may hand the runner an empty step (its engine core allows it); the
+    # runner handles it and complains, at about every server's first request.
+    "vllm.tpu_inference.runner.tpu_runner": ("Should not schedule a request that does nothing", ),
+}
+# XLA:CPU and XLA:GPU cannot alias the buffers tpu-inference donates to a step.
+DONATION_WARNING = "Some donated buffers were not usable"
+
+
+class _DropMessages(logging.Filter):
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+class _SameDtype(logging.Filter):
+    """vLLM's weight loader compares the checkpoint's torch dtype with a JAX
+    parameter's dtype, so equal dtypes ("torch.float32" vs "float32") warn, once
+    per tensor; a real mismatch still does."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Attempted to load weight") or len(record.args) != 3:
+            return True
+        _, loaded, param = record.args
+        return str(loaded).removeprefix("torch.") != str(param)
+
+
+class _ShutdownWatch(logging.Filter):
+    """Notes vLLM's "[shutdown] API server: shutdown triggered" (a SIGINT or
+    SIGTERM reached the API server); keeps every record."""
+    triggered = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("[shutdown] API server: shutdown triggered"):
+            _ShutdownWatch.triggered = True
+        return True
+
+
+class _EngineStoppedBySignal(logging.Filter):
+    """A signal to the server's process group stops the engine core too, and
+    the API server, already shutting down, reports its engine as dead with a
+    traceback. After a triggered shutdown that report is dropped; any other
+    failure of the output handler (or one before a shutdown) is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (_ShutdownWatch.triggered
+                and str(record.msg).startswith("AsyncLLM output_handler failed")):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return type(error).__name__ != "EngineDeadError"
+
+
+def _off_tpu() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return bool(platforms) and "tpu" not in platforms
+
+
+def quiet() -> None:
+    """Installs the filters in this process (idempotent)."""
+    tables = [ALWAYS, OFF_TPU] if _off_tpu() else [ALWAYS]
+    for table in tables:
+        for name, prefixes in table.items():
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _DropMessages) for f in logger.filters):
+                logger.addFilter(_DropMessages(prefixes))
+    for name, kind in (("vllm.model_executor.models.utils", _SameDtype),
+                       ("vllm.entrypoints.launchers.launcher", _ShutdownWatch),
+                       ("vllm.v1.engine.async_llm", _EngineStoppedBySignal)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
+    if _off_tpu():
+        warnings.filterwarnings("ignore", message=DONATION_WARNING)
