@@ -7,12 +7,26 @@ up the host (tpu_models.compat.setup_host) before. Also runs as
 """
 
 import argparse
+import importlib
 import json
 import math
 import shlex
 import sys
 import tempfile
 from pathlib import Path
+
+
+# Benchmarks that parse their own options: name -> (module with main(argv), help).
+OWN_OPTIONS = {
+    "step": ("benchmarks.step", "decode-step time of a Qwen3-0.6B-shaped model vs the host's "
+                                "memory bandwidth (model level)"),
+    "kv-cache": ("benchmarks.kv_cache", "Gemma 3's hybrid KV cache vs disabled: capacity and "
+                                        "8K-context decode (served)"),
+    "startup": ("benchmarks.startup", "cold start and warm restart of `tpu-models serve`, by "
+                                      "phase"),
+    "quant": ("benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
+                                          "speed of each quantization preset (model level)"),
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -56,24 +70,9 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", default="bench-compare.json")
     compare.add_argument("--plot", help="PNG of both servers' throughput and TPOT")
 
-    step = sub.add_parser("step", help="decode-step time of a Qwen3-0.6B-shaped model vs the "
-                                       "host's memory bandwidth (model level)")
-    step.add_argument("args", nargs=argparse.REMAINDER, help="see python -m benchmarks.step -h")
-
-    kv_cache = sub.add_parser("kv-cache", help="Gemma 3's hybrid KV cache vs disabled: capacity "
-                                               "and 8K-context decode (served)")
-    kv_cache.add_argument("args", nargs=argparse.REMAINDER,
-                          help="see python -m benchmarks.kv_cache -h")
-
-    startup = sub.add_parser("startup", help="cold start and warm restart of `tpu-models serve`, "
-                                             "by phase")
-    startup.add_argument("args", nargs=argparse.REMAINDER,
-                         help="see python -m benchmarks.startup -h")
-
-    quant = sub.add_parser("quant", help="quality (top-1, KL, greedy), weight bytes and decode "
-                                         "speed of each quantization preset (model level)")
-    quant.add_argument("args", nargs=argparse.REMAINDER,
-                       help="see python -m benchmarks.quant_quality -h")
+    for name, (module, help_text) in OWN_OPTIONS.items():
+        sub.add_parser(name, help=help_text).add_argument(
+            "args", nargs=argparse.REMAINDER, help=f"see python -m {module} -h")
     return p
 
 
@@ -123,21 +122,8 @@ def bench_serve(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["step"]:  # its options are the benchmark's own
-        from benchmarks.step import main as step_main
-        step_main(argv[1:])
-        return
-    if argv[:1] == ["kv-cache"]:
-        from benchmarks.kv_cache import main as kv_cache_main
-        kv_cache_main(argv[1:])
-        return
-    if argv[:1] == ["startup"]:
-        from benchmarks.startup import main as startup_main
-        startup_main(argv[1:])
-        return
-    if argv[:1] == ["quant"]:
-        from benchmarks.quant_quality import main as quant_main
-        quant_main(argv[1:])
+    if argv[:1] and argv[0] in OWN_OPTIONS:
+        importlib.import_module(OWN_OPTIONS[argv[0]][0]).main(argv[1:])
         return
     args = parser().parse_args(argv)
     if args.kind == "serve":

@@ -115,11 +115,12 @@ def main(argv=None) -> None:
     shape = SHAPES[args.shape]
     work = Path(tempfile.mkdtemp(prefix="tpu-models-kv-cache-"))
     model = random_gemma3(work / args.shape, **shape)
-    num_local = sum(1 for i in range(shape["num_layers"]) if (i + 1) % 6)
-    ideal = ideal_ratio(shape["num_layers"], num_local, shape["sliding_window"],
-                        args.max_model_len)
+    layer_types = json.loads((model / "config.json").read_text())["layer_types"]
+    ideal = ideal_ratio(len(layer_types), layer_types.count("sliding_attention"),
+                        shape["sliding_window"], args.max_model_len)
     results = measure(model, max_model_len=args.max_model_len,
-                      batched_tokens=args.max_num_batched_tokens, kv_bytes=args.kv_cache_memory_bytes, context=args.context,
+                      batched_tokens=args.max_num_batched_tokens,
+                      kv_bytes=args.kv_cache_memory_bytes, context=args.context,
                       output_len=args.output_len, num_prompts=args.num_prompts,
                       concurrencies=[int(c) for c in args.concurrency.split(",") if c],
                       vocab_size=shape["vocab_size"], log_dir=work)

@@ -96,12 +96,12 @@ SERVER_COUNTERS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_t
                    "vllm:prompt_tokens_cached_total")
 
 
-def server_counters(url: str) -> dict[str, float]:
-    """A vLLM server's own counters from its /metrics, summed over their label sets."""
+def server_counters(url: str, names=SERVER_COUNTERS) -> dict[str, float]:
+    """A vLLM server's own counters `names` from its /metrics, summed over their label sets."""
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
-    counters = dict.fromkeys(SERVER_COUNTERS, 0.0)
+    counters = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=30).text):
         for sample in family.samples:
             if sample.name in counters:

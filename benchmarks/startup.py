@@ -43,22 +43,24 @@ def _stamp(text: str, year: int) -> float:
 def phases(log: str, launched: float, ready: float) -> dict:
     """Seconds from launch at which each phase ended, from the log's timestamps."""
     year = datetime.fromtimestamp(launched).year
-    ends, extra = {}, {}
+    ends, extra, pending = {}, {}, list(PHASES)
     for line in log.splitlines():
         m = LINE.match(line)
-        if not m:
+        # the next phase of the process that logged this line ends here, or not yet
+        phase = m and next((p for p in pending if p[2] == m["process"]), None)
+        if not phase:
             continue
-        for name, pattern, process in PHASES:
-            if name in ends or m["process"] != process:
-                continue
-            found = pattern.search(line) if pattern else True
-            if found:
-                ends[name] = _stamp(m["stamp"], year) - launched
-                if pattern is not None and found.groupdict().get("s"):
-                    extra[f"{name} (logged s)"] = float(found["s"])
-                if pattern is not None and found.groupdict().get("c"):
-                    extra["compilation (logged s)"] = float(found["c"])
-            break
+        name, pattern, _ = phase
+        found = pattern.search(line) if pattern else None
+        if pattern and not found:
+            continue
+        pending.remove(phase)
+        ends[name] = _stamp(m["stamp"], year) - launched
+        logged = found.groupdict() if found else {}
+        if logged.get("s"):
+            extra[f"{name} (logged s)"] = float(logged["s"])
+        if logged.get("c"):
+            extra["compilation (logged s)"] = float(logged["c"])
     ends["serving"] = ready - launched
     return {"ends": ends, **extra}
 

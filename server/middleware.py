@@ -50,8 +50,7 @@ def _log_ready(state) -> None:
     from tpu_models import compat
     config = state.vllm_config
     model, cache = config.model_config, config.cache_config
-    tokens = getattr(cache, "kv_cache_size_tokens", None)
-    concurrency = getattr(cache, "kv_cache_max_concurrency", None)
+    tokens, concurrency = cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency
     capacity = (f"KV cache {tokens:,} tokens, {concurrency:.2f} requests at --max-model-len "
                 f"{model.max_model_len:,}" if tokens is not None and concurrency is not None
                 else "KV cache size unknown")

@@ -3,13 +3,10 @@ cache manager on the flax_nnx path, tpu_models.compat), and still give
 transformers' greedy tokens: long prompts, long generations, a reused prefix,
 chunked prefill and a 30,000-token prompt, through the real `vllm serve`."""
 
-import asyncio
-import re
-
 import numpy as np
 import pytest
-import requests
 
+from benchmarks import serving
 from server.process import Server
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_gemma3, make_qwen3
@@ -65,9 +62,8 @@ def test_prompts_of_ten_windows_and_generations_of_many(server, reference):
 
 
 def prefix_cache_hits(server) -> float:
-    text = requests.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)",
-                                            text, re.M))
+    hits = "vllm:prefix_cache_hits_total"
+    return serving.server_counters(server.url, [hits])[hits]
 
 
 def test_a_long_prefix_is_reused_from_the_prefix_cache(server, reference):
@@ -86,17 +82,7 @@ def test_a_long_prefix_is_reused_from_the_prefix_cache(server, reference):
 def test_a_30000_token_prompt_beside_short_requests(server, reference):
     rng = np.random.default_rng(7)
     long_prompt, *short = prompts(rng, reference.vocab_size, (30_000, 40, 200))
-
-    async def run():
-        client = server.async_client(timeout=600)
-        responses = await asyncio.gather(*[
-            client.completions.create(
-                model="tiny", prompt=p, max_tokens=4, temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True})
-            for p in (long_prompt, *short)])
-        return [r.choices[0].token_ids for r in responses]
-
-    got_long, *got_short = asyncio.run(run())
+    got_long, *got_short = complete_all(server, [long_prompt, *short], max_tokens=4)
     assert got_long == reference.greedy_cached(long_prompt, 4)
     for prompt, ids in zip(short, got_short):
         assert ids == reference.greedy(prompt, 4)

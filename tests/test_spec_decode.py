@@ -9,12 +9,11 @@ request's rows and the grammar rejects their tokens (HTTP 500). Issue #19."""
 
 import asyncio
 import json
-import re
 
 import numpy as np
 import pytest
-import requests
 
+from benchmarks import serving
 from benchmarks.demo_data import held_out
 from server.process import Server
 from server.serve import DEFAULT_NAME
@@ -29,9 +28,8 @@ CONCURRENT = 16
 
 
 def accepted_draft_tokens(server) -> float:
-    text = requests.get(f"{server.url}/metrics", headers=server.headers(), timeout=10).text
-    return sum(float(v) for v in re.findall(
-        r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)", text, re.M))
+    accepted = "vllm:spec_decode_num_accepted_tokens_total"
+    return serving.server_counters(server.url, [accepted])[accepted]
 
 
 def chat_answers(server, examples) -> list[str]:

@@ -1,6 +1,7 @@
 """A healthy start and stop of `tpu-models serve` logs no error and none of the
 lines tpu_models.logs silences; those filters drop only what they name."""
 
+import contextlib
 import logging
 import re
 import signal
@@ -14,17 +15,23 @@ SILENCED = [prefix for table in (logs.OFF_TPU, logs.ALWAYS) for prefixes in tabl
             for prefix in prefixes]
 
 
-def records_through(logger_name: str, *messages) -> list[str]:
-    logger = logging.getLogger(logger_name)
-    seen = []
+@contextlib.contextmanager
+def captured(logger_name: str):
+    """The messages `logger_name` passes on (after its filters) while inside."""
+    logger, seen = logging.getLogger(logger_name), []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     logger.addHandler(handler)
     try:
-        for message, *args in messages:
-            logger.warning(message, *args)
+        yield seen
     finally:
         logger.removeHandler(handler)
+
+
+def records_through(logger_name: str, *messages) -> list[str]:
+    with captured(logger_name) as seen:
+        for message, *args in messages:
+            logging.getLogger(logger_name).warning(message, *args)
     return seen
 
 
@@ -50,18 +57,12 @@ def test_a_dead_engine_is_reported_unless_a_signal_stopped_the_server(monkeypatc
     monkeypatch.setattr(logs._ShutdownWatch, "triggered", False)
 
     def report() -> list[str]:
-        logger = logging.getLogger("vllm.v1.engine.async_llm")
-        seen = []
-        handler = logging.Handler()
-        handler.emit = lambda record: seen.append(record.getMessage())
-        logger.addHandler(handler)
-        try:
+        with captured("vllm.v1.engine.async_llm") as seen:
             try:
                 raise EngineDeadError()
             except EngineDeadError:
-                logger.exception("AsyncLLM output_handler failed.")
-        finally:
-            logger.removeHandler(handler)
+                logging.getLogger("vllm.v1.engine.async_llm").exception(
+                    "AsyncLLM output_handler failed.")
         return seen
 
     assert report() == ["AsyncLLM output_handler failed."]  # a real failure

@@ -9,7 +9,6 @@ Imports nothing heavy: it runs before vLLM is imported.
 """
 
 import logging
-import os
 import warnings
 
 # Off-TPU only: tpu-inference and vLLM probing for a TPU, a GPU toolchain or
@@ -84,24 +83,19 @@ class _EngineStoppedBySignal(logging.Filter):
         return type(error).__name__ != "EngineDeadError"
 
 
-def _off_tpu() -> bool:
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    return bool(platforms) and "tpu" not in platforms
-
-
 def quiet() -> None:
     """Installs the filters in this process (idempotent)."""
-    tables = [ALWAYS, OFF_TPU] if _off_tpu() else [ALWAYS]
-    for table in tables:
-        for name, prefixes in table.items():
-            logger = logging.getLogger(name)
-            if not any(isinstance(f, _DropMessages) for f in logger.filters):
-                logger.addFilter(_DropMessages(prefixes))
-    for name, kind in (("vllm.model_executor.models.utils", _SameDtype),
-                       ("vllm.entrypoints.launchers.launcher", _ShutdownWatch),
-                       ("vllm.v1.engine.async_llm", _EngineStoppedBySignal)):
+    from tpu_models.compat import host_platform  # a light module: os, sys, glob
+    off_tpu = host_platform() is not None
+    filters = [(name, _DropMessages(prefixes))
+               for table in ([ALWAYS, OFF_TPU] if off_tpu else [ALWAYS])
+               for name, prefixes in table.items()]
+    filters += [("vllm.model_executor.models.utils", _SameDtype()),
+                ("vllm.entrypoints.launchers.launcher", _ShutdownWatch()),
+                ("vllm.v1.engine.async_llm", _EngineStoppedBySignal())]
+    for name, new in filters:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, kind) for f in logger.filters):
-            logger.addFilter(kind())
-    if _off_tpu():
+        if not any(type(f) is type(new) for f in logger.filters):
+            logger.addFilter(new)
+    if off_tpu:
         warnings.filterwarnings("ignore", message=DONATION_WARNING)
