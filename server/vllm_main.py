@@ -2,8 +2,9 @@
 
 `tpu-models serve` runs `python -m server.vllm_main serve ...` rather than
 `vllm serve ...`: the filters must be in place before vLLM's first import
-probes the platform. vLLM's engine processes are spawned, and a spawned process
-re-imports its parent's main module, so the top level below runs there too.
+probes the platform. Off-TPU the engine core is forked and inherits them; on
+TPU it is spawned, and a spawned process re-imports its parent's main module,
+so the top level below runs there too.
 """
 
 from tpu_models import logs

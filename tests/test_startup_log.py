@@ -95,3 +95,19 @@ def test_demo_server_log_tells_the_truth(stop, tmp_path):
     assert (int(ready[1].replace(",", "")), float(ready[2])) == (tokens, concurrency)
     loading = float(re.search(r"Loading weights took ([\d.]+) seconds", log)[1])
     assert loading < 10  # 7.8 MB; it used to log the host's uptime
+
+
+def test_off_tpu_the_engine_core_is_forked_and_compiles_in_parallel():
+    from tpu_models import compat
+
+    env = {}
+    assert compat.setup_host("cpu", env) == "cpu"
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"  # no second import of vLLM
+    assert int(env["NUM_PRECOMPILE_WORKERS"]) >= 1
+    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    mine = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "NUM_PRECOMPILE_WORKERS": "1"}
+    compat.setup_host("cpu", mine)
+    assert mine["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and mine["NUM_PRECOMPILE_WORKERS"] == "1"
+    on_tpu = {}
+    assert compat.setup_host("tpu", on_tpu) is None
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in on_tpu and "NUM_PRECOMPILE_WORKERS" not in on_tpu

@@ -3,8 +3,9 @@
 Each entry names the logger that emits it and how its message starts, and says
 why it is dropped. A filter sits on that logger only, so anything else it says
 (a real failure included) still reaches the log. Installed by
-`server/vllm_main.py` before vLLM starts, in every vLLM process (spawned ones
-re-import it), and by the plugin (tpu_models.compat.install).
+`server/vllm_main.py` before vLLM starts, in every vLLM process (forked ones
+inherit them, spawned ones re-import it), and by the plugin
+(tpu_models.compat.install).
 Imports nothing heavy: it runs before vLLM is imported.
 """
 
