@@ -29,3 +29,63 @@ def random_gemma3(directory: Path, *, num_layers: int, vocab_size: int, seed: in
     assert json.loads((Path(directory) / "config.json").read_text())["architectures"] == [
         "Gemma3ForCausalLM"]
     return Path(directory)
+
+
+# Real shapes, random weights: costs that grow with size hide in tiny models.
+SHAPES = {
+    # Qwen3-0.6B, plus the structural head (tied embedding, vocabulary 151,936)
+    "qwen3-0.6b": dict(arch="qwen3-structural", num_layers=28, hidden_size=1024,
+                       intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151_936),
+    # Gemma 3 1B (26 layers, 22 local with window 512, vocabulary 262,144)
+    "gemma3-1b": dict(arch="gemma3", num_layers=26, hidden_size=1152, intermediate_size=6912,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      sliding_window=512, query_pre_attn_scalar=256, vocab_size=262_144,
+                      max_position_embeddings=32768),
+}
+
+
+def random_qwen3_structural(directory: Path, *, num_layers: int, vocab_size: int, seed: int = 0,
+                            **shape) -> Path:
+    """A Qwen3-structural checkpoint (structural head beside Qwen3's), bf16 on disk."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(num_hidden_layers=num_layers, vocab_size=vocab_size,
+                         tie_word_embeddings=True, eos_token_id=1, bos_token_id=1, **shape)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    word_tokenizer(vocab_size).save_pretrained(directory)
+    weights = Path(directory) / "model.safetensors"
+    tensors = load_file(weights)
+    width = config.hidden_size
+    tensors["structural_head.weight"] = (torch.randn(width, width) * 0.02).to(torch.bfloat16)
+    tensors["structural_head.bias"] = torch.zeros(width, dtype=torch.bfloat16)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    # save_pretrained wrote transformers' class name
+    config_path = Path(directory) / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["architectures"] = ["Qwen3StructuralForCausalLM"]
+    config_path.write_text(json.dumps(config_json, indent=2))
+    return Path(directory)
+
+
+def random_checkpoint(shape: str, directory: Path) -> Path:
+    """A checkpoint of one of SHAPES, random weights, bf16 on disk as released."""
+    fields = dict(SHAPES[shape])
+    make = {"qwen3-structural": random_qwen3_structural, "gemma3": random_gemma3}[fields.pop("arch")]
+    return make(Path(directory), **fields)
+
+
+def shape_config(shape: str) -> dict:
+    """config.json of one of SHAPES (for `--load-format dummy`: no weights written)."""
+    from transformers import Gemma3TextConfig, Qwen3Config
+
+    fields = dict(SHAPES[shape])
+    arch, layers = fields.pop("arch"), fields.pop("num_layers")
+    if arch == "gemma3":
+        config = Gemma3TextConfig(num_hidden_layers=layers, **fields).to_dict()
+        return config | {"architectures": ["Gemma3ForCausalLM"]}
+    config = Qwen3Config(num_hidden_layers=layers, tie_word_embeddings=True, **fields).to_dict()
+    return config | {"architectures": ["Qwen3StructuralForCausalLM"]}

@@ -18,12 +18,14 @@ from pathlib import Path
 
 # Benchmarks that parse their own options: name -> (module with main(argv), help).
 OWN_OPTIONS = {
-    "step": ("benchmarks.step", "decode-step time of a Qwen3-0.6B-shaped model vs the host's "
+    "step": ("benchmarks.step", "decode-step time of a real-shaped model (Qwen3-0.6B, Gemma 3 1B) vs the host's "
                                 "memory bandwidth (model level)"),
     "kv-cache": ("benchmarks.kv_cache", "Gemma 3's hybrid KV cache vs disabled: capacity and "
                                         "8K-context decode (served)"),
     "startup": ("benchmarks.startup", "cold start and warm restart of `tpu-models serve`, by "
                                       "phase"),
+    "real-scale": ("benchmarks.real_scale", "real-shaped models served one request at a time: "
+                                            "TPOT next to the model-level step, start-up, memory"),
     "quant": ("benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }

@@ -19,13 +19,14 @@ import json
 import tempfile
 from pathlib import Path
 
+from benchmarks import checkpoints
 from benchmarks.checkpoints import random_gemma3
 
-ATTENTION = dict(num_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                 sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768)
+GEMMA3_1B = {k: v for k, v in checkpoints.SHAPES["gemma3-1b"].items() if k != "arch"}
 SHAPES = {
-    "gemma3-1b": dict(ATTENTION, hidden_size=1152, intermediate_size=6912, vocab_size=262_144),
-    "gemma3-1b-attention": dict(ATTENTION, hidden_size=256, intermediate_size=512,
+    "gemma3-1b": GEMMA3_1B,
+    # its attention (layers, heads, window) with a small residual, MLP and vocabulary
+    "gemma3-1b-attention": dict(GEMMA3_1B, hidden_size=256, intermediate_size=512,
                                 vocab_size=4096),
 }
 MODES = {"hybrid": (), "disabled": ("--disable-hybrid-kv-cache-manager",)}

@@ -275,8 +275,9 @@ def main(argv=None) -> list[dict]:
     if args.speed_shape:
         import tempfile
 
-        from benchmarks.step import QWEN3_0_6B, make_model_dir
-        model = str(make_model_dir({**QWEN3_0_6B, "num_hidden_layers": args.speed_shape,
+        from benchmarks.checkpoints import shape_config
+        from benchmarks.step import make_model_dir
+        model = str(make_model_dir({**shape_config("qwen3-0.6b"), "num_hidden_layers": args.speed_shape,
                                     "vocab_size": args.speed_vocab},
                                    Path(tempfile.mkdtemp(prefix="bench-quant-"))))
     rows = evaluate(model, [p for p in args.presets.split(",") if p], prompts=args.prompts,

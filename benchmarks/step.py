@@ -1,7 +1,7 @@
 """Decode-step time against the host's memory-bandwidth limit (model level).
 
-Builds a Qwen3-0.6B-shaped Qwen3-structural with random weights through
-tpu-inference's own loading path (`--load-format dummy`), then times one
+Builds a model of a real shape (`--shape`: Qwen3-0.6B-shaped Qwen3-structural,
+or Gemma 3 1B) with random weights through tpu-inference's own loading path (`--load-format dummy`), then times one
 decode step (model forward + logits) at several batch sizes over a context of
 `--context` tokens, with the same paged KV cache and attention the server
 uses. A decode step must read every weight once and each sequence's KV
@@ -16,7 +16,7 @@ single-threaded copy. A row's limit uses the mean of its two samples. The
 run also splits the step into attention (context 512 vs 1), sampling, and
 logits.
 
-    python -m benchmarks.step [--batch 1,16] [--context 512] [--dtype bfloat16]
+    python -m benchmarks.step [--shape gemma3-1b] [--batch 1,16] [--context 512] [--dtype bfloat16]
 """
 
 import argparse
@@ -28,18 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.checkpoints import SHAPES, shape_config
 from tpu_models import compat  # stdlib only: safe before the host is set up
-
-# A Qwen3-0.6B-shaped decoder (plus the structural head): 0.6B parameters.
-QWEN3_0_6B = {
-    "architectures": ["Qwen3StructuralForCausalLM"], "model_type": "qwen3",
-    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
-}
-
 
 def timed(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of fn() (which must block until its result is ready)."""
@@ -83,6 +73,8 @@ def make_model_dir(config: dict, directory: Path) -> Path:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpu-models bench step",
                                 description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES),
+                   help="model shape, random weights")
     p.add_argument("--batch", default="1,16")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
@@ -147,7 +139,7 @@ def measure(args) -> dict:
     from tpu_models.stepper import Stepper  # the runner-like harness the parity tests use
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "tpu" else "float32")
-    config = dict(QWEN3_0_6B)
+    config = shape_config(args.shape)
     if args.layers:
         config["num_hidden_layers"] = args.layers
     if args.vocab_size:
@@ -174,7 +166,8 @@ def measure(args) -> dict:
     logits = jnp.zeros((max(batches), config["vocab_size"]), jnp.float32)
     argmax = jax.jit(lambda l: jnp.argmax(l, -1))
     greedy_ms = timed(lambda: argmax(logits).block_until_ready(), args.repeats) * 1e3
-    return {"benchmark": "decode_step", "device": str(jax.devices()[0].device_kind),
+    return {"benchmark": "decode_step", "shape": args.shape,
+            "device": str(jax.devices()[0].device_kind),
             "dtype": dtype, "layers": config["num_hidden_layers"],
             "params_m": weight_bytes / (2 if dtype == "bfloat16" else 4) / 1e6,
             "bandwidth_samples": samples, "greedy_sample_ms": greedy_ms, "rows": rows}
@@ -186,7 +179,8 @@ def report(result: dict, out: Path) -> None:
     from rich.table import Table
 
     rows = result["rows"]
-    table = Table(title=f"decode step, {result['params_m']:.0f}M params {result['dtype']}")
+    table = Table(title=f"decode step, {result['shape']}: {result['params_m']:.0f}M params "
+                        f"{result['dtype']}")
     for column in ("batch", "context", "step ms", "of which logits", "read GB/s before/after",
                    "limit ms", "% of limit", "tok/s", "KV MB"):
         table.add_column(column, justify="right")
