@@ -78,11 +78,12 @@ def random_checkpoint(shape: str, directory: Path) -> Path:
     return make(Path(directory), **fields)
 
 
-def shape_config(shape: str) -> dict:
-    """config.json of one of SHAPES (for `--load-format dummy`: no weights written)."""
+def shape_config(shape: str, **overrides) -> dict:
+    """config.json of one of SHAPES, with `overrides` of its fields (num_layers,
+    vocab_size, ...), for `--load-format dummy`: no weights written."""
     from transformers import Gemma3TextConfig, Qwen3Config
 
-    fields = dict(SHAPES[shape])
+    fields = dict(SHAPES[shape]) | {k: v for k, v in overrides.items() if v is not None}
     arch, layers = fields.pop("arch"), fields.pop("num_layers")
     if arch == "gemma3":
         config = Gemma3TextConfig(num_hidden_layers=layers, **fields).to_dict()

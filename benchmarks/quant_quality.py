@@ -277,8 +277,8 @@ def main(argv=None) -> list[dict]:
 
         from benchmarks.checkpoints import shape_config
         from benchmarks.step import make_model_dir
-        model = str(make_model_dir({**shape_config("qwen3-0.6b"), "num_hidden_layers": args.speed_shape,
-                                    "vocab_size": args.speed_vocab},
+        model = str(make_model_dir(shape_config("qwen3-0.6b", num_layers=args.speed_shape,
+                                                vocab_size=args.speed_vocab),
                                    Path(tempfile.mkdtemp(prefix="bench-quant-"))))
     rows = evaluate(model, [p for p in args.presets.split(",") if p], prompts=args.prompts,
                     num=args.num, length=args.length, greedy_tokens=args.greedy_tokens,

@@ -139,11 +139,7 @@ def measure(args) -> dict:
     from tpu_models.stepper import Stepper  # the runner-like harness the parity tests use
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "tpu" else "float32")
-    config = shape_config(args.shape)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    if args.vocab_size:
-        config["vocab_size"] = args.vocab_size
+    config = shape_config(args.shape, num_layers=args.layers, vocab_size=args.vocab_size)
     model_dir = make_model_dir(config, Path(tempfile.mkdtemp(prefix="bench-step-")))
     page = 128
     batches = [int(b) for b in args.batch.split(",")]
