@@ -49,7 +49,6 @@ def random_qwen3_structural(directory: Path, *, num_layers: int, vocab_size: int
                             **shape) -> Path:
     """A Qwen3-structural checkpoint (structural head beside Qwen3's), bf16 on disk."""
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -57,18 +56,28 @@ def random_qwen3_structural(directory: Path, *, num_layers: int, vocab_size: int
                          tie_word_embeddings=True, eos_token_id=1, bos_token_id=1, **shape)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
     word_tokenizer(vocab_size).save_pretrained(directory)
-    weights = Path(directory) / "model.safetensors"
-    tensors = load_file(weights)
-    width = config.hidden_size
-    tensors["structural_head.weight"] = (torch.randn(width, width) * 0.02).to(torch.bfloat16)
-    tensors["structural_head.bias"] = torch.zeros(width, dtype=torch.bfloat16)
-    save_file(tensors, weights, metadata={"format": "pt"})
-    # save_pretrained wrote transformers' class name
-    config_path = Path(directory) / "config.json"
-    config_json = json.loads(config_path.read_text())
-    config_json["architectures"] = ["Qwen3StructuralForCausalLM"]
-    config_path.write_text(json.dumps(config_json, indent=2))
+    add_structural_head(Path(directory), torch.bfloat16)
     return Path(directory)
+
+
+def add_structural_head(directory: Path, dtype=None) -> None:
+    """Turns a transformers Qwen3 checkpoint into a Qwen3-structural one: a random
+    structural head (std 0.02, zero bias) beside its tensors, and our architecture
+    in config.json (save_pretrained wrote transformers' class name)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dtype = dtype or torch.float32
+    weights = directory / "model.safetensors"
+    tensors = load_file(weights)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    width = config["hidden_size"]
+    tensors["structural_head.weight"] = (torch.randn(width, width) * 0.02).to(dtype)
+    tensors["structural_head.bias"] = torch.zeros(width, dtype=dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config["architectures"] = ["Qwen3StructuralForCausalLM"]
+    config_path.write_text(json.dumps(config, indent=2))
 
 
 def random_checkpoint(shape: str, directory: Path) -> Path:

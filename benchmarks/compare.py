@@ -33,10 +33,9 @@ DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4
 def make_pair(directory: Path, shape: dict) -> tuple[Path, Path]:
     """(ours, builtin): one random Qwen3 decoder, with and without the structural head."""
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from benchmarks.checkpoints import word_tokenizer
+    from benchmarks.checkpoints import add_structural_head, word_tokenizer
 
     builtin, ours = directory / "qwen3", directory / "qwen3-structural"
     tokenizer = word_tokenizer(shape["vocab_size"])
@@ -47,14 +46,7 @@ def make_pair(directory: Path, shape: dict) -> tuple[Path, Path]:
     tokenizer.save_pretrained(builtin)
     Qwen3ForCausalLM.from_pretrained(builtin).save_pretrained(ours)
     tokenizer.save_pretrained(ours)
-    tensors = load_file(ours / "model.safetensors")
-    D = shape["hidden_size"]
-    tensors["structural_head.weight"] = torch.randn(D, D) * 0.02
-    tensors["structural_head.bias"] = torch.zeros(D)
-    save_file(tensors, ours / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((ours / "config.json").read_text())
-    cfg["architectures"] = ["Qwen3StructuralForCausalLM"]
-    (ours / "config.json").write_text(json.dumps(cfg, indent=2))
+    add_structural_head(ours)
     return ours, builtin
 
 

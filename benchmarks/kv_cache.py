@@ -19,10 +19,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchmarks import checkpoints
-from benchmarks.checkpoints import random_gemma3
+from benchmarks.checkpoints import SHAPES as REAL_SHAPES, random_gemma3
 
-GEMMA3_1B = {k: v for k, v in checkpoints.SHAPES["gemma3-1b"].items() if k != "arch"}
+GEMMA3_1B = {k: v for k, v in REAL_SHAPES["gemma3-1b"].items() if k != "arch"}
 SHAPES = {
     "gemma3-1b": GEMMA3_1B,
     # its attention (layers, heads, window) with a small residual, MLP and vocabulary

@@ -125,7 +125,7 @@ def report(rows: dict) -> None:
         table.add_column(column, justify="right")
     for shape, r in rows.items():
         table.add_row(shape, f"{r['step_ms']:.0f}", f"{r['limit_ms']:.0f}",
-                      f"{r['decode_ms_per_token']:.0f}", f"{r['vllm_mean_tpot_ms'] or 0:.0f}",
+                      f"{r['decode_ms_per_token']:.0f}", "-" if r["vllm_mean_tpot_ms"] is None else f"{r['vllm_mean_tpot_ms']:.0f}",
                       f"{r['served_over_step']:.2f}", f"{r['startup_s']:.0f}",
                       f"{r['weight_mb'] / 1024:.2f}", f"{r['kv_cache_gib']:.2f}",
                       f"{r['load_peak_pss_gib']:.2f}", f"{r['startup_peak_pss_gib']:.2f}")

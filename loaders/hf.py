@@ -108,9 +108,7 @@ class HfCheckpoint:
         check_finite: refuse the first tensor holding a NaN or an infinity (one
         extra pass over each tensor's memory; torch tensors only)."""
         for file in self.files:
-            with _open(file, framework) as f:
-                names = list(f.keys())
-            for name in names:
+            for name in [n for n, info in self.tensors.items() if info.file == file]:
                 with _open(file, framework) as f:
                     try:
                         tensor = f.get_tensor(name)

@@ -93,8 +93,10 @@ def make_gemma3(directory: Path, *, num_layers: int = 6, sliding_window: int = 1
                 hidden_size: int = 64, intermediate_size: int = 128, vocab_size: int = 384,
                 query_pre_attn_scalar: int = 24, attn_logit_softcapping: float | None = None,
                 final_logit_softcapping: float | None = None, rope_scaling: dict | None = None,
-                max_position_embeddings: int = 4096, seed: int = 0) -> Path:
-    """Writes an HF Gemma 3 text checkpoint (5 local layers, then a global one)."""
+                max_position_embeddings: int = 4096, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """Writes an HF Gemma 3 text checkpoint (5 local layers, then a global one),
+    its weights stored in `dtype` (bf16 as released, or float32)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     directory = Path(directory)
@@ -120,7 +122,7 @@ def make_gemma3(directory: Path, *, num_layers: int = 6, sliding_window: int = 1
             if name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)  # Gemma scales by (1 + weight)
         model.model.embed_tokens.weight.normal_(0, 0.05)
-    model.save_pretrained(directory)
+    model.to(dtype).save_pretrained(directory)
     return directory
 
 
