@@ -93,3 +93,20 @@ def test_index_cannot_point_outside_the_checkpoint(tmp_path):
         json.dumps({"weight_map": {"a": "../outside.safetensors"}}))
     with pytest.raises(CheckpointError, match="lies outside"):
         HfCheckpoint(tmp_path / "inner")
+
+
+def test_weights_are_cast_to_the_served_dtype_quantized_ones_and_scales_are_not():
+    import torch
+
+    from tpu_models.runtime import in_dtype
+
+    tensors = [("w", torch.ones(2, dtype=torch.bfloat16)),
+               ("q", torch.ones(2).to(torch.float8_e4m3fn)),  # a pre-quantized weight
+               ("q_scale", torch.ones(2, dtype=torch.float32)),  # its scale: not a weight
+               ("ids", torch.ones(2, dtype=torch.int32))]
+    out = dict(in_dtype(iter(tensors), torch.float32,
+                        names={"w", "q", "ids"}))
+    assert out["w"].dtype == torch.float32
+    assert out["q"].dtype == torch.float8_e4m3fn and out["ids"].dtype == torch.int32
+    out = dict(in_dtype(iter(tensors), torch.bfloat16, names={"w", "q", "ids"}))
+    assert out["q_scale"].dtype == torch.float32  # scales keep their precision

@@ -108,6 +108,7 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
     checkpoint = HfCheckpoint(model_directory(vllm_config))
     config = vllm_config.model_config.hf_text_config
     scheme = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    weights = set(table)  # cast to --dtype; not the scales added next
     if scheme:  # per-channel scales next to the quantized weights
         table = prequantized.checkpoint_table(table, scheme, str(checkpoint.directory),
                                               extra_linear=extra_linear)
@@ -118,7 +119,7 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
         logger.info("tpu-models: checking every weight for NaN and infinities (%s)",
                     CHECK_WEIGHTS_KEY)
     tensors = in_dtype(checkpoint.iter_tensors(check_finite=check_weights),
-                       to_torch_dtype(vllm_config.model_config.dtype), names=set(table))
+                       to_torch_dtype(vllm_config.model_config.dtype), names=weights)
     adapter_dir = extra.get(LORA_KEY)
     if adapter_dir:
         adapter = LoraAdapter(adapter_dir)
