@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks.demo_data import SCHEMAS, held_out, json_schema
 
 
-async def _answer(client, model, example, guided):
+async def answer(client, model, example, guided):
     kwargs = {}
     if guided:
         kwargs["response_format"] = {"type": "json_schema", "json_schema": {
@@ -62,7 +62,7 @@ def evaluate(base_url: str, model: str, examples: list[dict], guided: bool,
 
         async def one(example):
             async with limit:
-                return await _answer(client, model, example, guided)
+                return await answer(client, model, example, guided)
 
         texts = await asyncio.gather(*[one(e) for e in examples])
         await client.close()

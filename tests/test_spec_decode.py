@@ -1,11 +1,10 @@
 """Speculative decoding with n-gram prompt lookup is lossless on our models:
-the same greedy tokens as without it, 16 requests at once, while vLLM counts
-accepted draft tokens.
+the same greedy tokens as without it, 16 requests at once, guided (JSON
+schema) and free ones in one batch, while vLLM counts accepted draft tokens.
 
-Not here: guided decoding with speculation. tpu-inference 0.32.0 applies one
-grammar-bitmask row per request (StructuredDecodingManager), while vLLM sends
-one per request *and draft position*; with drafts, later requests get another
-request's rows and the grammar rejects their tokens (HTTP 500). Issue #19."""
+Guided requests need tpu_models.compat's grammar rows: vLLM sends a bitmask
+row per request *and draft position*, tpu-inference 0.32.0 reads one per
+request, so later requests were masked by another's grammar (HTTP 500)."""
 
 import asyncio
 import json
@@ -13,12 +12,12 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import serving
+from benchmarks import demo_quality, serving
 from benchmarks.demo_data import held_out
 from server.process import Server
 from server.serve import DEFAULT_NAME
 from tests.test_serve_e2e import complete_all
-from tests.tiny import Reference, make_gemma3
+from tests.tiny import Reference, make_eagle3_draft, make_gemma3, make_qwen3
 
 pytestmark = pytest.mark.e2e
 
@@ -32,28 +31,30 @@ def accepted_draft_tokens(server) -> float:
     return serving.server_counters(server.url, [accepted])[accepted]
 
 
-def chat_answers(server, examples) -> list[str]:
-
-    async def answer(client, example):
-        reply = await client.chat.completions.create(
-            model=DEFAULT_NAME, messages=[{"role": "user", "content": example["request"]}],
-            temperature=0.0, max_tokens=64)
-        return reply.choices[0].message.content
+def chat_answers(server, examples, guided: list[bool]) -> list[str]:
+    """Greedy answers to all examples at once; guided[i]: with the JSON schema."""
 
     async def run():
         client = server.async_client()
-        return await asyncio.gather(*[answer(client, e) for e in examples])
+        return await asyncio.gather(*[demo_quality.answer(client, DEFAULT_NAME, e, g)
+                                      for e, g in zip(examples, guided)])
 
     return asyncio.run(run())
 
 
 def test_ngram_on_the_demo_gives_the_tokens_of_plain_decoding(demo_server, tmp_path):
-    """JSON extraction copies the request's words: where n-gram lookup pays."""
+    """JSON extraction copies the request's words: where n-gram lookup pays.
+    Every other request is guided, so drafted and guided requests share batches."""
     examples = held_out(CONCURRENT, novel=True)
+    guided = [i % 2 == 1 for i in range(CONCURRENT)]
     with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
                 "--speculative-config", NGRAM, log=tmp_path / "serve.log") as speculative:
-        assert chat_answers(speculative, examples) == chat_answers(demo_server, examples)
+        got = chat_answers(speculative, examples, guided)
+        assert got == chat_answers(demo_server, examples, guided)
         assert accepted_draft_tokens(speculative) > 0
+    for example, text, g in zip(examples, got, guided):
+        if g:
+            assert demo_quality.matches_schema(json.loads(text), example["schema"]), text
 
 
 def test_ngram_on_gemma3_matches_transformers(tmp_path):
@@ -72,3 +73,29 @@ def test_ngram_on_gemma3_matches_transformers(tmp_path):
         assert accepted_draft_tokens(s) > 0
     for prompt, ids in zip(prompts, got):
         assert ids == reference.greedy(prompt, 24), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", ["qwen3-structural", "gemma3"])
+def test_eagle3_draft_on_our_models_is_lossless(arch, tmp_path):
+    """The target hands the draft its auxiliary hidden states (layers named by
+    the draft's config). The draft always proposes the token the target emits
+    most, so some drafts are accepted and some rejected; either way the tokens
+    must be transformers' greedy ones."""
+    if arch == "gemma3":
+        model = make_gemma3(tmp_path / "target", sliding_window=16)
+    else:
+        model = make_qwen3(tmp_path / "target", num_layers=4)
+    reference = Reference(model)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, reference.vocab_size, n).tolist() for n in rng.integers(3, 60, CONCURRENT)]
+    expected = [reference.greedy(p, 24) for p in prompts]
+    propose = int(np.bincount(np.concatenate(expected)).argmax())
+    draft = make_eagle3_draft(model, tmp_path / "draft", aux_layers=(0, 1, 3), propose=propose)
+    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    with Server(model, "--dtype", "float32", "--max-model-len", "512",
+                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
+                "--speculative-config", spec, log=tmp_path / "serve.log") as s:
+        got = complete_all(s, prompts, max_tokens=24)
+        assert accepted_draft_tokens(s) > 0
+    for prompt, ids, want in zip(prompts, got, expected):
+        assert ids == want, f"prompt of {len(prompt)} tokens"

@@ -5,6 +5,7 @@ rounding; references run in fp32 torch.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +240,23 @@ def reshard(directory: Path, num_shards: int = 3) -> Path:
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return directory
+
+
+def make_eagle3_draft(target: Path, out: Path, *, aux_layers: tuple[int, ...],
+                      propose: int, seed: int = 0) -> Path:
+    """An EAGLE-3 draft for `target` with random layers and a draft vocabulary
+    of one token, `propose` (d2t maps it there): it always proposes `propose`,
+    so a target that often emits that token accepts some drafts."""
+    from loaders import eagle3
+
+    target_config = json.loads((Path(target) / "config.json").read_text())
+    config = eagle3.draft_config(target_config, aux_layers=aux_layers, intermediate_size=128,
+                                 draft_vocab_size=1)
+    rng = np.random.default_rng(seed)
+    tensors = {name: (rng.normal(0, 0.05, shape) if len(shape) > 1 else 1 + rng.normal(0, 0.1, shape))
+               .astype(np.float32) for name, shape in eagle3.shapes(config).items()}
+    tensors["d2t"] = np.array([propose], np.int64)
+    out = eagle3.write_draft(out, config, tensors)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(target) / file, out / file)
+    return out

@@ -31,7 +31,8 @@ Upstream fixes (`install`, every platform, TPU included): tpu-inference bugs
 that give wrong results.
 
 Serving features (`install`, every platform): what tpu-inference's flax_nnx
-path lacks for our models: a hybrid KV cache for sliding-window layers.
+path lacks for our models: a hybrid KV cache for sliding-window layers, guided
+decoding beside speculative decoding, EAGLE-3 drafts under their published name.
 
 tpu-inference's only extension points here are for models and attention
 (register_model, register_attention_backend, used by tpu_models.plugin);
@@ -139,9 +140,10 @@ def install() -> None:
         return
     from tpu_models import logs
     logs.quiet()  # again, for plain `vllm serve` (tpu-models serve has them from the start)
-    _grammar_rows_in_request_order()
+    _grammar_rows_per_logits_row()
     _weight_loading_timed()
     _sliding_window_kv_cache_groups()
+    _eagle3_drafts_by_their_published_name()
     if platform is not None:
         _set_tpu_identity(os.environ)
         os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
@@ -250,6 +252,11 @@ def _no_tpu_compiler_options() -> None:
     _rebind(sampling.__name__, "sample",
             jax.jit(sampling.sample.__wrapped__,
                     static_argnames=["mesh", "allow_distributed_sampling"]))
+    # So did the EAGLE-3 proposer's draft loop, with literal options.
+    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
+    Eagle3Proposer._propose = jax.jit(Eagle3Proposer._propose.__wrapped__,
+                                      donate_argnames=("kv_caches", ),
+                                      out_shardings=(None, None), static_argnums=(0, 7, 8))
 
 
 def _copy_host_inputs() -> None:
@@ -288,33 +295,83 @@ def _portable_default_attention() -> None:
 # --- upstream fixes (every platform) -------------------------------------------
 
 
-def _grammar_rows_in_request_order() -> None:
-    """Guided decoding: give each request its own grammar bitmask row.
+def _grammar_rows_per_logits_row() -> None:
+    """Guided decoding: give every logits row its own request's grammar bitmask row.
 
-    vLLM orders the bitmask rows as GrammarOutput.structured_output_request_ids
-    (scheduling order); tpu-inference 0.32.0 walks the ids *sorted* and takes
-    rows in that order, so with two or more concurrent guided requests a
-    request could be masked by another's grammar (the scheduler then rejects
-    the token and aborts it). Re-ordering the rows to sorted id order makes
-    both agree; a batch already in sorted order is unchanged.
+    vLLM sends one bitmask row per structured request and sampled position
+    (1 + its draft tokens under speculative decoding), in
+    GrammarOutput.structured_output_request_ids order. tpu-inference 0.32.0
+    takes one row per request, walking the ids *sorted*: two concurrent guided
+    requests could be masked by each other's grammar, and with draft tokens
+    every request after the first got another request's rows (the scheduler
+    then rejects the token and aborts the request: HTTP 500).
+
+    Here each request's rows go to its logits rows: request i of the batch
+    owns rows i + (draft tokens of the requests before it), drafts then the
+    bonus token, as the runner lays out its spec-decode logits. The runner
+    drops the scheduler output before masking, so sample_tokens hands the
+    draft counts over first. With attention data parallelism the runner
+    reorders rows per rank: tpu-inference's own mapping is kept there.
     """
+    import numpy as np
     from tpu_inference.runner.structured_decoding_manager import StructuredDecodingManager
+    from tpu_inference.runner.tpu_runner import TPUModelRunner
+    from tpu_inference.utils import device_array
 
-    original = StructuredDecodingManager.prepare_structured_decoding_input
+    original_sample = TPUModelRunner.sample_tokens
+    original_prepare = StructuredDecodingManager.prepare_structured_decoding_input
+
+    def sample_tokens(self, grammar_output):
+        if grammar_output is not None and self.execute_model_state is not None:
+            scheduled = self.execute_model_state.scheduler_output
+            self.structured_decoding_manager.draft_tokens = {
+                req_id: len(tokens)
+                for req_id, tokens in scheduled.scheduled_spec_decode_tokens.items()}
+        return original_sample(self, grammar_output)
 
     def prepare_structured_decoding_input(self, logits, grammar_output):
-        ids = list(grammar_output.structured_output_request_ids)
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        if order != list(range(len(ids))):
-            grammar_output = dataclasses.replace(
-                grammar_output,
-                structured_output_request_ids=[ids[i] for i in order],
-                grammar_bitmask=grammar_output.grammar_bitmask[order],
-                num_acceptable_drafts=None if grammar_output.num_acceptable_drafts is None
-                else [grammar_output.num_acceptable_drafts[i] for i in order])
-        return original(self, logits, grammar_output)
+        if self.runner.vllm_config.sharding_config.total_dp_size > 1:
+            return original_prepare(self, logits, grammar_output)
+        drafts = getattr(self, "draft_tokens", {})
+        first_row, row = {}, 0
+        for req_id in self.runner.input_batch.req_ids:
+            first_row[req_id] = row
+            row += 1 + drafts.get(req_id, 0)
+        rows = logits.shape[0]
+        bitmask = np.zeros((rows, grammar_output.grammar_bitmask.shape[1]), np.int32)
+        required = np.zeros((rows, 1), np.bool_)
+        sent = 0  # rows of grammar_output.grammar_bitmask used so far
+        for req_id in grammar_output.structured_output_request_ids:
+            n = 1 + drafts.get(req_id, 0)
+            if (first := first_row.get(req_id)) is not None:
+                bitmask[first:first + n] = grammar_output.grammar_bitmask[sent:sent + n]
+                required[first:first + n] = True
+            sent += n
+        return device_array(self.runner.mesh,
+                            (required, bitmask, self.runner.structured_decode_arange))
 
+    TPUModelRunner.sample_tokens = sample_tokens
     StructuredDecodingManager.prepare_structured_decoding_input = prepare_structured_decoding_input
+
+
+def _eagle3_drafts_by_their_published_name() -> None:
+    """EAGLE-3 drafts are published as `LlamaForCausalLMEagle3` (vLLM keeps the
+    name); tpu-inference 0.32.0 registers its JAX draft only as
+    `Eagle3LlamaForCausalLM`, so such a draft fell back to vLLM's PyTorch
+    definition, which the JAX speculative-decoding path cannot drive."""
+    from tpu_inference.models.common import model_loader
+
+    original = model_loader._get_model_architecture
+
+    def _get_model_architecture(config):
+        try:
+            return original(config)
+        except model_loader.UnsupportedArchitectureError:
+            if "LlamaForCausalLMEagle3" in (getattr(config, "architectures", None) or ()):
+                return model_loader._MODEL_REGISTRY["Eagle3LlamaForCausalLM"]
+            raise
+
+    model_loader._get_model_architecture = _get_model_architecture
 
 
 def _weight_loading_timed() -> None:

@@ -123,11 +123,13 @@ class Decoder(JaxModule):
                   prefix=f"model.layers.{i}") for i in range(cfg.num_layers)])
         self.norm = layer.norm(cfg, cfg.hidden_size, rngs, "model.norm")
 
-    def __call__(self, kv_caches, input_ids, md, inputs_embeds=None, cache_index=None):
+    def __call__(self, kv_caches, input_ids, md, inputs_embeds=None, cache_index=None,
+                 aux_layers: tuple[int, ...] = ()):
         """`md`: one AttentionMetadata, or the runner's {"layer.{i}": metadata}
         when the KV cache has groups (each with its block table); `cache_index`:
         {"layer.{i}": index into kv_caches}, shared by layers of different
-        groups (default: layer i owns kv_caches[i])."""
+        groups (default: layer i owns kv_caches[i]). Returns (kv_caches, hidden,
+        the input [T, D] of each layer in `aux_layers`)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [T, D]
             if self.cfg.embedding_scale is not None:
@@ -135,11 +137,35 @@ class Decoder(JaxModule):
                 inputs_embeds = inputs_embeds * jnp.asarray(self.cfg.embedding_scale,
                                                             self.cfg.dtype)
         x = inputs_embeds
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
             name = f"layer.{i}"
             c = cache_index.get(name, i) if cache_index else i
             kv_caches[c], x = layer(kv_caches[c], x, md[name] if isinstance(md, dict) else md)
-        return kv_caches, self.norm(x)
+        return kv_caches, self.norm(x), aux
+
+
+def eagle3_aux_layers(vllm_config: VllmConfig, num_layers: int) -> tuple[int, ...]:
+    """The layers whose input hidden states an EAGLE-3 draft reads, as vLLM
+    picks them: the draft config's `eagle_aux_hidden_state_layer_ids` (or its
+    `eagle_config`'s), else (2, L // 2, L - 3). None without an EAGLE-3 draft:
+    the step then computes and returns nothing extra."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "eagle3":
+        return ()
+    draft = spec.draft_model_config.hf_config
+    field = "eagle_aux_hidden_state_layer_ids"
+    ids = getattr(draft, field, None) or (getattr(draft, "eagle_config", None) or {}).get(field)
+    if not ids:
+        ids, field = (2, num_layers // 2, num_layers - 3), "vLLM's default"
+    if any(not 0 <= i < num_layers for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"EAGLE-3 draft {spec.draft_model_config.model}: auxiliary hidden-state layers "
+            f"{list(ids)} ({field}) must be distinct layers of the target's {num_layers}; "
+            f"set {field!r} in the draft's config.json")
+    return tuple(ids)
 
 
 class CausalLM(JaxModule, LoadableWithIterator):
@@ -159,6 +185,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
         self.cfg = cfg = self.config_class.from_hf_config(
             vllm_config.model_config.hf_text_config, dtype=settings.dtype,
             vocab_shards=settings.vocab_shards, head_shards=settings.head_shards)
+        self.aux_layers = eagle3_aux_layers(vllm_config, cfg.num_layers)
         rngs = nnx.Rngs(rng_key)
         self.model = Decoder(cfg, self.layer_class, rngs=rngs, mesh=mesh, settings=settings)
         self.build_head(rngs, settings)
@@ -183,9 +210,10 @@ class CausalLM(JaxModule, LoadableWithIterator):
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None,
                  _input_positions=None, layer_name_to_kv_cache=None, _lora_metadata=None,
                  intermediate_tensors=None, is_first_rank=True, is_last_rank=True, *args):
-        kv_caches, hidden = self.model(kv_caches, input_ids, attention_metadata, inputs_embeds,
-                                       dict(layer_name_to_kv_cache or ()))
-        return kv_caches, hidden, [], None  # no auxiliary hidden states or expert ids
+        kv_caches, hidden, aux = self.model(kv_caches, input_ids, attention_metadata,
+                                            inputs_embeds, dict(layer_name_to_kv_cache or ()),
+                                            self.aux_layers)
+        return kv_caches, hidden, aux, None  # no expert ids
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         x = self.head(hidden)  # [T, D]
