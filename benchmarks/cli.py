@@ -24,6 +24,8 @@ OWN_OPTIONS = {
                                         "8K-context decode (served)"),
     "startup": ("benchmarks.startup", "cold start and warm restart of `tpu-models serve`, by "
                                       "phase"),
+    "spec": ("benchmarks.spec_decode", "speculative decoding on the demo model: off, n-gram and "
+                                       "EAGLE-3 side by side (tok/s, TPOT, acceptance)"),
     "real-scale": ("benchmarks.real_scale", "real-shaped models served one request at a time: "
                                             "TPOT next to the model-level step, start-up, memory"),
     "quant": ("benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "

@@ -36,6 +36,7 @@ class Result:
     latency: float = 0.0
     itl: list = dataclasses.field(default_factory=list)
     error: str = ""
+    text: str = ""
 
 
 _sent: dict[str, float] = {}  # request id -> when httpx sent it
@@ -46,19 +47,35 @@ async def _stamp(request) -> None:  # httpx request hook
 
 
 async def one_request(client, model: str, prompt: list[int], output_len: int) -> Result:
-    """One streamed completion. The client builds and sends the request; its SSE
-    lines are read raw (json.loads, no typed chunk objects): on a small host the
-    client shares the cores with the server, and typed chunks cost 2-3x the CPU."""
+    """One streamed completion of `output_len` tokens. The ids travel in
+    extra_body, which the client sends as given: `prompt=` goes through its
+    type-directed transform, one call per id (3.7 vs 0.9 ms per 128-id request),
+    client CPU taken from the cores the server shares."""
+    result = await _streamed(client.completions, dict(
+        model=model, prompt="", max_tokens=output_len, temperature=0.0,
+        extra_body={"prompt": prompt, "ignore_eos": True}))
+    if result.ok and (result.prompt_tokens != len(prompt) or result.output_tokens != output_len):
+        result.ok = False
+        result.error = (f"token counts {result.prompt_tokens}/{result.output_tokens}, "
+                        f"expected {len(prompt)}/{output_len}")
+    return result
+
+
+async def one_chat_request(client, model: str, messages: list[dict], max_tokens: int) -> Result:
+    """One streamed greedy chat completion, ending where the model ends it."""
+    return await _streamed(client.chat.completions, dict(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0))
+
+
+async def _streamed(endpoint, request: dict) -> Result:
+    """Streams one request; its SSE lines are read raw (json.loads, no typed
+    chunk objects): on a small host the client shares the cores with the
+    server, and typed chunks cost 2-3x the CPU."""
     result = Result()
     request_id = f"{id(result)}-{time.perf_counter_ns()}"
     try:
-        # The ids travel in extra_body, which the client sends as given: `prompt=`
-        # goes through its type-directed transform, one call per id (3.7 vs 0.9 ms
-        # per 128-id request), client CPU taken from the cores the server shares.
-        async with client.completions.with_streaming_response.create(
-                model=model, prompt="", max_tokens=output_len, temperature=0.0, stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"prompt": prompt, "ignore_eos": True},
+        async with endpoint.with_streaming_response.create(
+                **request, stream=True, stream_options={"include_usage": True},
                 extra_headers={"x-bench-request": request_id}) as stream:
             start = last = _sent.pop(request_id)
             async for line in stream.iter_lines():
@@ -70,7 +87,9 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
                     raise RuntimeError(f"error event: {chunk['error']}")
                 # A chunk with choices is a token even when its text is empty (a
                 # partial UTF-8 sequence, a special token), as vLLM's bench counts it.
-                if chunk.get("choices"):
+                if choices := chunk.get("choices"):
+                    piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+                    result.text += piece or ""
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -80,11 +99,9 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
                     result.prompt_tokens = usage["prompt_tokens"]
                     result.output_tokens = usage["completion_tokens"]
         result.latency = last - start
-        if result.prompt_tokens != len(prompt) or result.output_tokens != output_len:
-            result.error = (f"token counts {result.prompt_tokens}/{result.output_tokens}, "
-                            f"expected {len(prompt)}/{output_len}")
-        else:
-            result.ok = True
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no tokens"
     except Exception as e:  # a failed request is counted, not fatal
         result.error = f"{type(e).__name__}: {e}"
     finally:
@@ -94,6 +111,22 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
 
 SERVER_COUNTERS = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
                    "vllm:prompt_tokens_cached_total")
+
+
+# vLLM's speculative-decoding counters (vllm:spec_decode_*), as `vllm bench serve` reads them.
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def spec_decode_metrics(before: dict, after: dict) -> dict:
+    """Draft acceptance between two reads of SPEC_COUNTERS: the share of draft
+    tokens accepted, and the mean acceptance length (tokens per target step,
+    the bonus token included, as vLLM reports it); {} when nothing was drafted."""
+    drafts, tokens, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+    if not drafts:
+        return {}
+    return {"draft_acceptance_rate": accepted / tokens if tokens else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts}
 
 
 def server_counters(url: str, names=SERVER_COUNTERS) -> dict[str, float]:
@@ -122,22 +155,22 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int | list[i
     return [rng.choice(allowed, input_len).tolist() for _ in range(num)]
 
 
-async def run_load(client, model: str, prompts: list[list[int]], output_len: int, *,
-                   concurrency: int | None = None, request_rate: float = math.inf,
-                   seed: int = 0) -> tuple[list[Result], float]:
-    """Sends every prompt, at most `concurrency` at once, arriving as a Poisson
-    process of `request_rate` per second (inf: all at once). Returns (results, seconds)."""
-    limit = asyncio.Semaphore(concurrency or len(prompts))
+async def run_load(send, requests: list, *, concurrency: int | None = None,
+                   request_rate: float = math.inf, seed: int = 0) -> tuple[list[Result], float]:
+    """Awaits send(request) for every request, at most `concurrency` at once,
+    arriving as a Poisson process of `request_rate` per second (inf: all at
+    once). Returns (results, seconds)."""
+    limit = asyncio.Semaphore(concurrency or len(requests))
     rng = np.random.default_rng(seed)
 
-    async def limited(prompt):
+    async def limited(request):
         async with limit:
-            return await one_request(client, model, prompt, output_len)
+            return await send(request)
 
     start = time.perf_counter()
     tasks = []
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(limited(prompt)))
+    for request in requests:
+        tasks.append(asyncio.create_task(limited(request)))
         if math.isfinite(request_rate):
             await asyncio.sleep(rng.exponential(1.0 / request_rate))
     results = await asyncio.gather(*tasks)
@@ -180,30 +213,37 @@ def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_
           warmup: int = 2, seed: int = 0, avoid_tokens: set[int] = frozenset(),
           api_key: str = "unused") -> list[dict]:
     """One run per concurrency (after `warmup` requests); returns a row of metrics each."""
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
     async def main():
-        client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600,
-                             max_retries=0, http_client=DefaultAsyncHttpxClient(
-                                 event_hooks={"request": [_stamp]}))
+        client = bench_client(base_url, api_key)
         # No prompt repeats within a sweep, nor between sweeps of different seeds or
         # concurrencies: a repeated prompt's prefill would come from the prefix cache.
         warm = random_prompts(warmup, input_len, vocab_size, [seed, 1], avoid_tokens)
-        await run_load(client, model, warm, output_len, concurrency=warmup)
+        def send(prompt):
+            return one_request(client, model, prompt, output_len)
+
+        await run_load(send, warm, concurrency=warmup)
         rows = []
         for concurrency in concurrencies:
             prompts = random_prompts(num_prompts, input_len, vocab_size,
                                      [seed, 2, concurrency or 0], avoid_tokens)
-            results, duration = await run_load(client, model, prompts, output_len,
-                                               concurrency=concurrency, request_rate=request_rate,
-                                               seed=seed)
+            before = server_counters(base_url, SPEC_COUNTERS)
+            results, duration = await run_load(send, prompts, concurrency=concurrency,
+                                               request_rate=request_rate, seed=seed)
+            spec = spec_decode_metrics(before, server_counters(base_url, SPEC_COUNTERS))
             rows.append({"concurrency": concurrency, "request_rate": request_rate,
                          "input_len": input_len, "output_len": output_len,
-                         "num_prompts": num_prompts, **metrics(results, duration)})
+                         "num_prompts": num_prompts, **metrics(results, duration), **spec})
         await client.close()
         return rows
 
     return asyncio.run(main())
+
+
+def bench_client(base_url: str, api_key: str = "unused"):
+    """The async openai client the benchmarks drive a server with (its requests time-stamped)."""
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=600, max_retries=0,
+                       http_client=DefaultAsyncHttpxClient(event_hooks={"request": [_stamp]}))
 
 
 def print_table(rows: list[dict], title: str) -> None:
@@ -218,10 +258,13 @@ def print_table(rows: list[dict], title: str) -> None:
                ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"), ("p99_ttft_ms", "TTFT p99", "{:.1f}"),
                ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"), ("p99_tpot_ms", "TPOT p99", "{:.2f}"),
                ("median_itl_ms", "ITL p50 ms", "{:.2f}"), ("median_e2el_ms", "E2E p50 ms", "{:.0f}")]
+    if any("mean_acceptance_length" in row for row in rows):  # speculative decoding
+        columns += [("draft_acceptance_rate", "accepted", "{:.0%}"),
+                    ("mean_acceptance_length", "accept len", "{:.2f}")]
     for _, header, _ in columns:
         table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(*[fmt.format(row[key]) for key, _, fmt in columns])
+        table.add_row(*[fmt.format(row[key]) if key in row else "-" for key, _, fmt in columns])
     Console(width=200).print(table)
 
 

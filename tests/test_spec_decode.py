@@ -99,3 +99,15 @@ def test_eagle3_draft_on_our_models_is_lossless(arch, tmp_path):
         assert accepted_draft_tokens(s) > 0
     for prompt, ids, want in zip(prompts, got, expected):
         assert ids == want, f"prompt of {len(prompt)} tokens"
+
+
+def test_speculative_presets_map_onto_speculative_config(tmp_path):
+    from server.serve import EAGLE3_DRAFT, SPECULATIVE, build_command
+
+    for name, config in SPECULATIVE.items():
+        command, _ = build_command(["--speculative", name], {})
+        assert json.loads(command[command.index("--speculative-config") + 1]) == config
+    draft = json.loads((EAGLE3_DRAFT / "config.json").read_text())
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3"]
+    with pytest.raises(ValueError, match="trained for it"):
+        build_command([str(tmp_path), "--speculative", "eagle3"], {})

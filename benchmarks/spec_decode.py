@@ -1,0 +1,107 @@
+"""Speculative decoding on the demo model: off, n-gram lookup and EAGLE-3, side by side.
+
+    tpu-models bench spec [--methods off,ngram,eagle3] [--concurrency 1,4]
+                          [--requests 48] [--out FILE]
+
+Each method gets its own `tpu-models serve` of the embedded demo model (one at
+a time, same options), driven with held-out demo requests (JSON extraction
+whose values training never showed: benchmarks/demo_data.held_out), greedy, as
+streamed chat completions at each concurrency. Reported per run: output tok/s
+and median TPOT (vLLM bench serve's definitions, benchmarks/serving.py), the
+draft acceptance rate and mean acceptance length from the server's own
+vllm:spec_decode_* counters, and output tok/s against `off` in the same run.
+Every method must also answer every request with the same text as `off`
+(greedy speculative decoding is lossless); a difference is reported.
+"""
+
+import argparse
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+
+from benchmarks import serving
+from benchmarks.demo_data import held_out
+from server.process import Server
+from server.serve import DEFAULT_NAME
+MAX_TOKENS = 64
+
+
+def measure(method: str, examples: list[dict], warmup: list[dict], concurrencies: list[int],
+            work: Path) -> list[tuple[dict, list[str]]]:
+    args = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20)]
+    if method != "off":
+        args += ["--speculative", method]  # tpu-models serve's presets
+    with Server(None, *args, log=work / f"serve-{method}.log") as server:
+
+        async def run(concurrency):
+            client = serving.bench_client(server.url, server.api_key or "unused")
+
+            def send(example):
+                messages = [{"role": "user", "content": example["request"]}]
+                return serving.one_chat_request(client, DEFAULT_NAME, messages, MAX_TOKENS)
+
+            await serving.run_load(send, warmup, concurrency=concurrency)
+            before = serving.server_counters(server.url, serving.SPEC_COUNTERS)
+            results, duration = await serving.run_load(send, examples, concurrency=concurrency)
+            after = serving.server_counters(server.url, serving.SPEC_COUNTERS)
+            await client.close()
+            return ({"method": method, "concurrency": concurrency, "requests": len(examples),
+                     **serving.metrics(results, duration),
+                     **serving.spec_decode_metrics(before, after)},
+                    [r.text for r in results])
+
+        return [asyncio.run(run(c)) for c in concurrencies]
+
+
+def report(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="speculative decoding, demo model, held-out requests (greedy)")
+    for header in ("method", "conc", "done", "out tok/s", "vs off", "TPOT p50 ms",
+                   "accepted", "accept len", "same text as off"):
+        table.add_column(header, justify="right")
+    for r in rows:
+        table.add_row(r["method"], str(r["concurrency"]), str(r["completed"]),
+                      f"{r['output_throughput']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['median_tpot_ms']:.2f}",
+                      f"{r['draft_acceptance_rate']:.0%}" if "draft_acceptance_rate" in r else "-",
+                      f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-",
+                      f"{r['same_text_as_off']}/{r['requests']}")
+    Console(width=160).print(table)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="tpu-models bench spec", description=__doc__.split("\n")[0])
+    p.add_argument("--methods", default="off,ngram,eagle3")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--out", default="bench-spec.json")
+    args = p.parse_args(argv)
+    methods = args.methods.split(",")
+    if methods[0] != "off":
+        methods.insert(0, "off")  # the baseline every ratio is taken against
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    examples = held_out(args.requests + 8, novel=True)
+    examples, warmup = examples[:args.requests], examples[args.requests:]
+    work = Path(tempfile.mkdtemp(prefix="tpu-models-spec-"))
+    rows, baseline, texts = [], {}, {}
+    for method in methods:
+        for row, answers in measure(method, examples, warmup, concurrencies, work):
+            if method == "off":
+                baseline[row["concurrency"]] = row["output_throughput"]
+                texts[row["concurrency"]] = answers
+            row["speedup"] = row["output_throughput"] / baseline[row["concurrency"]]
+            row["same_text_as_off"] = sum(a == b for a, b in zip(answers, texts[row["concurrency"]]))
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("method", "concurrency", "output_throughput",
+                                                   "median_tpot_ms", "speedup")}), flush=True)
+    report(rows)
+    document = {"benchmark": "spec", "max_tokens": MAX_TOKENS, "logs": str(work), "rows": rows}
+    Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    return document
+
+
+if __name__ == "__main__":
+    main()
