@@ -16,7 +16,7 @@ trained on), as tpu-inference's Eagle3 Llama draft will run it:
 The embedding is the target's (the engine lends it to the draft). The loss
 counts the answer tokens only: the draft runs while the model answers.
 Run from the repo root (a few minutes on 2 CPU cores):
-    ./dev python scripts/train_eagle3_draft.py [--steps 1500] [--out server/default_model_eagle3]
+    ./dev python scripts/train_eagle3_draft.py [--steps 600] [--out server/default_model_eagle3]
 """
 
 import argparse
@@ -38,11 +38,11 @@ import optax  # noqa: E402
 
 from benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
 from loaders import eagle3  # noqa: E402
+from train_default_model import encode  # noqa: E402  (scripts/, beside this one)
 
 ROOT = Path(__file__).parents[1]
 TARGET = ROOT / "server" / "default_model"
 AUX_LAYERS = (1, 2, 3)  # inputs of these layers of the 4-layer demo (vLLM's default repeats one)
-MAX_LEN = 96
 EXAMPLES = 2000  # of the demo's training set: their hidden states are kept in memory
 
 
@@ -55,16 +55,10 @@ def target_features(examples):
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
-    ids = np.full((len(examples), MAX_LEN), tokenizer.pad_token_id, np.int32)
-    mask = np.zeros((len(examples), MAX_LEN), np.float32)
-    for row, e in enumerate(examples):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": e["request"]}],
-                                               add_generation_prompt=True, return_dict=False)
-        answer = tokenizer(e["answer"])["input_ids"] + [tokenizer.eos_token_id]
-        seq = (prompt + answer)[:MAX_LEN]
-        ids[row, :len(seq)] = seq
-        mask[row, max(len(prompt) - 2, 0):len(seq) - 2] = 1.0  # x_{t+2} in the answer
-    aux = np.zeros((len(examples), MAX_LEN, len(AUX_LAYERS) * model.config.hidden_size), np.float32)
+    ids, predicts_answer = encode(tokenizer, examples)  # as the demo was trained
+    mask = np.zeros_like(predicts_answer)
+    mask[:, :-1] = predicts_answer[:, 1:]  # position t drafts x_{t+2}
+    aux = np.zeros((*ids.shape, len(AUX_LAYERS) * model.config.hidden_size), np.float32)
     with torch.no_grad():
         for start in range(0, len(examples), 64):
             out = model.model(input_ids=torch.tensor(ids[start:start + 64]), output_hidden_states=True)
@@ -185,7 +179,7 @@ def train(config, ids, aux, embedding, mask, steps, batch, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", default=str(ROOT / "server" / "default_model_eagle3"))
     args = parser.parse_args()

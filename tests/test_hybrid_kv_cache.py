@@ -112,14 +112,16 @@ def test_disabling_the_hybrid_manager_costs_gemma3_1b_most_of_its_capacity(tmp_p
     model = make_gemma3(tmp_path / "gemma3-1b-attention", num_layers=26, num_heads=4,
                         num_kv_heads=1, head_dim=256, sliding_window=512,
                         max_position_embeddings=LONG_CONTEXT)
-    capacity = {}
-    for mode, args in (("hybrid", ()), ("disabled", ("--disable-hybrid-kv-cache-manager",))):
-        server = Server(model, "--dtype", "float32", "--max-model-len", str(LONG_CONTEXT),
-                        "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes",
-                        str(2 << 30), *args, log=tmp_path / f"{mode}.log").launch()
-        try:
-            capacity[mode] = server.kv_capacity()
-        finally:
+    servers = {}
+    try:  # both at once: each is stopped once vLLM has sized its KV cache
+        for mode, args in (("hybrid", ()), ("disabled", ("--disable-hybrid-kv-cache-manager",))):
+            servers[mode] = Server(
+                model, "--dtype", "float32", "--max-model-len", str(LONG_CONTEXT),
+                "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", str(2 << 30),
+                *args, log=tmp_path / f"{mode}.log").launch()
+        capacity = {mode: server.kv_capacity() for mode, server in servers.items()}
+    finally:
+        for server in servers.values():
             server.stop()
     ratio = capacity["hybrid"][1] / capacity["disabled"][1]
     print(f"max concurrency at 32K: hybrid {capacity['hybrid'][1]:.2f}, "

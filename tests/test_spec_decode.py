@@ -15,14 +15,13 @@ import pytest
 from benchmarks import demo_quality, serving
 from benchmarks.demo_data import held_out
 from server.process import Server
-from server.serve import DEFAULT_NAME
+from server.serve import DEFAULT_NAME, SPECULATIVE
 from tests.test_serve_e2e import complete_all
-from tests.tiny import Reference, make_eagle3_draft, make_gemma3, make_qwen3
+from tests.tiny import Reference, make_eagle3_draft, make_gemma3
 
 pytestmark = pytest.mark.e2e
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                    "prompt_lookup_min": 2})
+NGRAM = json.dumps(SPECULATIVE["ngram"])
 CONCURRENT = 16
 
 
@@ -42,13 +41,16 @@ def chat_answers(server, examples, guided: list[bool]) -> list[str]:
     return asyncio.run(run())
 
 
-def test_ngram_on_the_demo_gives_the_tokens_of_plain_decoding(demo_server, tmp_path):
-    """JSON extraction copies the request's words: where n-gram lookup pays.
-    Every other request is guided, so drafted and guided requests share batches."""
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_speculative_demo_gives_the_text_of_plain_decoding(method, demo_server, tmp_path):
+    """`tpu-models serve --speculative ngram|eagle3` (the shipped EAGLE-3 draft:
+    the Qwen3-structural target hands it three layers' hidden states). JSON
+    extraction copies the request's words: where drafts pay. Every other
+    request is guided, so drafted and guided requests share batches."""
     examples = held_out(CONCURRENT, novel=True)
     guided = [i % 2 == 1 for i in range(CONCURRENT)]
     with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-                "--speculative-config", NGRAM, log=tmp_path / "serve.log") as speculative:
+                "--speculative", method, log=tmp_path / "serve.log") as speculative:
         got = chat_answers(speculative, examples, guided)
         assert got == chat_answers(demo_server, examples, guided)
         assert accepted_draft_tokens(speculative) > 0
@@ -75,16 +77,13 @@ def test_ngram_on_gemma3_matches_transformers(tmp_path):
         assert ids == reference.greedy(prompt, 24), f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("arch", ["qwen3-structural", "gemma3"])
-def test_eagle3_draft_on_our_models_is_lossless(arch, tmp_path):
-    """The target hands the draft its auxiliary hidden states (layers named by
-    the draft's config). The draft always proposes the token the target emits
-    most, so some drafts are accepted and some rejected; either way the tokens
-    must be transformers' greedy ones."""
-    if arch == "gemma3":
-        model = make_gemma3(tmp_path / "target", sliding_window=16)
-    else:
-        model = make_qwen3(tmp_path / "target", num_layers=4)
+def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
+    """Gemma 3 hands an EAGLE-3 draft the hidden states of the layers its config
+    names, beside its hybrid KV cache (local, global and draft layers share one
+    page pool). The draft always proposes the token the target emits most, so
+    some drafts are accepted and some rejected; either way the tokens must be
+    transformers' greedy ones."""
+    model = make_gemma3(tmp_path / "target", sliding_window=16)
     reference = Reference(model)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, reference.vocab_size, n).tolist() for n in rng.integers(3, 60, CONCURRENT)]

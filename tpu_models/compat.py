@@ -144,6 +144,7 @@ def install() -> None:
     _weight_loading_timed()
     _sliding_window_kv_cache_groups()
     _eagle3_drafts_by_their_published_name()
+    _drafts_on_the_host()
     if platform is not None:
         _set_tpu_identity(os.environ)
         os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
@@ -352,6 +353,33 @@ def _grammar_rows_per_logits_row() -> None:
 
     TPUModelRunner.sample_tokens = sample_tokens
     StructuredDecodingManager.prepare_structured_decoding_input = prepare_structured_decoding_input
+
+
+def _drafts_on_the_host() -> None:
+    """Guided decoding beside a JAX draft (EAGLE-3) under async scheduling.
+
+    vLLM then checks each request's draft tokens against its grammar on the
+    host, trimming the request's list in place
+    (Scheduler.update_draft_token_ids_in_output); tpu-inference 0.32.0 hands
+    them over as one device array, so the engine core died on the first
+    guided request (AttributeError: __delitem__). vLLM asks for them only on
+    that path, where it needs them on the host anyway.
+    """
+    import numpy as np
+    from tpu_inference.runner.speculative_decoding_manager import SpeculativeDecodingManager
+
+    original = SpeculativeDecodingManager.take_draft_token_ids
+
+    def take_draft_token_ids(self):
+        drafts = original(self)
+        if drafts is None:
+            return None
+        ids = drafts.draft_token_ids  # a device array, or a list of its rows (and empty lists)
+        ids = (np.asarray(ids).tolist() if hasattr(ids, "shape") else
+               [row if isinstance(row, list) else np.asarray(row).tolist() for row in ids])
+        return dataclasses.replace(drafts, draft_token_ids=ids)
+
+    SpeculativeDecodingManager.take_draft_token_ids = take_draft_token_ids
 
 
 def _eagle3_drafts_by_their_published_name() -> None:
