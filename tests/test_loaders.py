@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -110,3 +111,22 @@ def test_weights_are_cast_to_the_served_dtype_quantized_ones_and_scales_are_not(
     assert out["q"].dtype == torch.float8_e4m3fn and out["ids"].dtype == torch.int32
     out = dict(in_dtype(iter(tensors), torch.bfloat16, names={"w", "q", "ids"}))
     assert out["q_scale"].dtype == torch.float32  # scales keep their precision
+
+
+def test_eagle3_draft_writer_checks_tensors_against_its_config(tmp_path):
+    from loaders import eagle3
+
+    target = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "vocab_size": 384}
+    config = eagle3.draft_config(target, aux_layers=(0, 1, 3), intermediate_size=128)
+    shapes = eagle3.shapes(config)
+    assert shapes["fc.weight"] == (64, 3 * 64)  # three auxiliary layers of the target
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (4 * 16, 2 * 64)  # [embed, hidden]
+    tensors = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    tensors["fc.weight"] = np.zeros((64, 64), np.float32)
+    with pytest.raises(ValueError, match=r"fc\.weight: shape \(64, 64\), expected \(64, 192\)"):
+        eagle3.write_draft(tmp_path / "draft", config, tensors)
+    assert not (tmp_path / "draft").exists()
+    del tensors["fc.weight"]
+    with pytest.raises(ValueError, match=r"missing \['fc\.weight'\]"):
+        eagle3.write_draft(tmp_path / "draft", config, tensors)

@@ -150,7 +150,7 @@ class Decoder(JaxModule):
 def eagle3_aux_layers(vllm_config: VllmConfig, num_layers: int) -> tuple[int, ...]:
     """The layers whose input hidden states an EAGLE-3 draft reads, as vLLM
     picks them: the draft config's `eagle_aux_hidden_state_layer_ids` (or its
-    `eagle_config`'s), else (2, L // 2, L - 3). None without an EAGLE-3 draft:
+    `eagle_config`'s), else (2, L // 2, L - 3). Empty without an EAGLE-3 draft:
     the step then computes and returns nothing extra."""
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "eagle3":
