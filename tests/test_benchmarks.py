@@ -60,7 +60,7 @@ def test_bench_serve_against_a_running_server(demo_server, tmp_path):
 def test_bench_compare_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("SKIP_JAX_PRECOMPILE", "1")  # two servers: start them fast
     from benchmarks.compare import compare
-    result = compare(concurrencies=[1, 2], input_len=16, output_len=8, num_prompts=4, rounds=2,
+    result = compare(concurrencies=[2], input_len=16, output_len=8, num_prompts=4, rounds=2,
                      shape={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
                             "vocab_size": 512},
                      dtype="float32", hf_rounds=1, out=tmp_path / "compare.json")
@@ -68,8 +68,8 @@ def test_bench_compare_smoke(tmp_path, monkeypatch):
         assert row["failed"] == 0
         assert row["ours_tok_s"] > 0 and row["builtin_tok_s"] > 0 and row["transformers_tok_s"] > 0
     for label in ("ours", "builtin"):  # medians of two runs, each of 4 completed requests
-        assert [len(r["runs_output_throughput"]) for r in result[label]] == [2, 2]
-        assert [r["completed"] for r in result[label]] == [8, 8]
+        assert [len(r["runs_output_throughput"]) for r in result[label]] == [2]
+        assert [r["completed"] for r in result[label]] == [8]
     assert json.loads((tmp_path / "compare.json").read_text())["benchmark"] == "compare"
 
 
