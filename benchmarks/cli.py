@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     target = serve.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="an OpenAI-compatible server already running")
     target.add_argument("--model", help="start `tpu-models serve MODEL` on loopback and measure it")
+    target.add_argument("--shape", help="the same, for a random-weight checkpoint of a real shape "
+                                        "(qwen3-0.6b, gemma3-1b) written to a temporary directory")
     serve.add_argument("--api-key", default="unused", help="with --base-url, if it needs one")
     serve.add_argument("--server-args", default="", help="extra arguments for the started server")
     serve.add_argument("--tokenizer", help="tokenizer directory (default: --model); sets the "
@@ -90,6 +92,10 @@ def bench_serve(args) -> dict:
     from benchmarks import serving
     from server.process import Server
 
+    if args.shape:
+        from benchmarks.checkpoints import random_checkpoint
+        args.model = str(random_checkpoint(
+            args.shape, Path(tempfile.mkdtemp(prefix="tpu-models-bench-")) / args.shape))
     tokenizer = args.tokenizer or args.model
     if tokenizer is None:
         sys.exit("tpu-models bench serve: --tokenizer is needed with --base-url")
