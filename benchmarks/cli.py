@@ -103,8 +103,12 @@ def bench_serve(args) -> dict:
     server = None
     if args.model:
         log = Path(tempfile.mkdtemp(prefix="tpu-models-bench-")) / "serve.log"
-        server = Server(args.model, "--served-model-name", "bench",
-                        *shlex.split(args.server_args), log=log).start()
+        server_args = shlex.split(args.server_args)
+        if args.shape and not any(a.startswith("--max-model-len") for a in server_args):
+            # Real shapes declare 32K-128K contexts: a KV cache for one such request
+            # can exceed the host's budget; the benchmark needs its own lengths only.
+            server_args += ["--max-model-len", str(max(512, args.input_len + args.output_len))]
+        server = Server(args.model, "--served-model-name", "bench", *server_args, log=log).start()
         base_url, model = server.url, "bench"
         print(f"server up in {server.startup_seconds:.1f}s (log: {log})")
     else:
