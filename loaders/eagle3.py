@@ -8,11 +8,11 @@ One decoder layer ("midlayer") whose attention reads [norm(embed), norm(h)]
 draft has no embedding of its own; the engine lends it the target's.
 """
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from loaders.export import copy_side_files
 from loaders.hf_writer import HfWriter
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -84,9 +84,10 @@ def shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_draft(out: str | Path, config: dict, tensors: dict[str, np.ndarray], *,
-                overwrite: bool = False) -> Path:
-    """Writes the draft checkpoint (safetensors + config.json), after checking
-    `tensors` against TABLE; into a temporary directory renamed at the end."""
+                tokenizer: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Writes the draft checkpoint (safetensors + config.json, and the
+    tokenizer files of the directory `tokenizer`), after checking `tensors`
+    against TABLE; into a temporary directory renamed at the end."""
     expected = shapes(config)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -100,8 +101,7 @@ def write_draft(out: str | Path, config: dict, tensors: dict[str, np.ndarray], *
             tensor = np.asarray(tensors[name])
             writer.add(name, tensor.astype(np.int64) if name == "d2t" else tensor)
         writer.write_json("config.json", config)
+        if tokenizer is not None:
+            copy_side_files(Path(tokenizer), writer, skip=("config.json", "generation_config.json"))
     return writer.out
 
-
-def read_config(directory: str | Path) -> dict:
-    return json.loads((Path(directory) / "config.json").read_text())

@@ -22,9 +22,10 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt")
 
 
-def copy_side_files(source: Path, writer: HfWriter) -> None:
+def copy_side_files(source: Path, writer: HfWriter, skip: tuple[str, ...] = ()) -> None:
+    """The SIDE_FILES `source` has, but `skip` (files the writer writes itself)."""
     for name in SIDE_FILES:
-        if (source / name).exists():
+        if name not in skip and (source / name).exists():
             writer.copy_file(source / name)
 
 
@@ -82,9 +83,7 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *, arch,
     with HfWriter(out, overwrite=overwrite) as writer:
         writer.add_all((renames[name], t) for name, t in checkpoint.iter_tensors() if name in renames)
         writer.write_json("config.json", config)
-        for name in SIDE_FILES:
-            if name != "config.json" and (source / name).exists():
-                writer.copy_file(source / name)
+        copy_side_files(source, writer, skip=("config.json", ))
     return Path(out)
 
 
@@ -284,8 +283,5 @@ def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
         writer.write_json("generation_config.json", {
             k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")})
         if tokenizer is not None:
-            for name in SIDE_FILES:
-                if name not in ("config.json", "generation_config.json") and \
-                        (Path(tokenizer) / name).exists():
-                    writer.copy_file(Path(tokenizer) / name)
+            copy_side_files(Path(tokenizer), writer, skip=("config.json", "generation_config.json"))
     return Path(out)

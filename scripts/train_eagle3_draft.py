@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -193,10 +192,7 @@ def main():
     params = train(config, ids, aux, embedding, mask, args.steps, args.batch)
     tensors = {name: np.asarray(value, np.float32) for name, value in params.items()}
     tensors["d2t"] = np.zeros(config["draft_vocab_size"], np.int64)  # same vocabulary
-    out = eagle3.write_draft(args.out, config, tensors, overwrite=True)
-    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (TARGET / file).exists():
-            shutil.copyfile(TARGET / file, out / file)
+    out = eagle3.write_draft(args.out, config, tensors, tokenizer=TARGET, overwrite=True)
     print(f"wrote {out}")
 
 

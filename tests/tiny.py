@@ -5,7 +5,6 @@ rounding; references run in fp32 torch.
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -256,7 +255,4 @@ def make_eagle3_draft(target: Path, out: Path, *, aux_layers: tuple[int, ...],
     tensors = {name: (rng.normal(0, 0.05, shape) if len(shape) > 1 else 1 + rng.normal(0, 0.1, shape))
                .astype(np.float32) for name, shape in eagle3.shapes(config).items()}
     tensors["d2t"] = np.array([propose], np.int64)
-    out = eagle3.write_draft(out, config, tensors)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(Path(target) / file, out / file)
-    return out
+    return eagle3.write_draft(out, config, tensors, tokenizer=target)
