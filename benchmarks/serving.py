@@ -215,12 +215,13 @@ def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_
     """One run per concurrency (after `warmup` requests); returns a row of metrics each."""
     async def main():
         client = bench_client(base_url, api_key)
-        # No prompt repeats within a sweep, nor between sweeps of different seeds or
-        # concurrencies: a repeated prompt's prefill would come from the prefix cache.
-        warm = random_prompts(warmup, input_len, vocab_size, [seed, 1], avoid_tokens)
+
         def send(prompt):
             return one_request(client, model, prompt, output_len)
 
+        # No prompt repeats within a sweep, nor between sweeps of different seeds or
+        # concurrencies: a repeated prompt's prefill would come from the prefix cache.
+        warm = random_prompts(warmup, input_len, vocab_size, [seed, 1], avoid_tokens)
         await run_load(send, warm, concurrency=warmup)
         rows = []
         for concurrency in concurrencies:
