@@ -32,7 +32,8 @@ that give wrong results.
 
 Serving features (`install`, every platform): what tpu-inference's flax_nnx
 path lacks for our models: a hybrid KV cache for sliding-window layers, guided
-decoding beside speculative decoding, EAGLE-3 drafts under their published name.
+decoding beside speculative decoding, EAGLE-3 drafts under their published name,
+per-request LoRA adapters (--enable-lora).
 
 tpu-inference's only extension points here are for models and attention
 (register_model, register_attention_backend, used by tpu_models.plugin);
@@ -145,6 +146,8 @@ def install() -> None:
     _sliding_window_kv_cache_groups()
     _eagle3_drafts_by_their_published_name()
     _drafts_on_the_host()
+    _adapter_slots_for_our_models()
+    _adapters_checked_before_loading()
     if platform is not None:
         _set_tpu_identity(os.environ)
         os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
@@ -489,6 +492,110 @@ def _overlaid_tensors(kv_cache_config) -> list:
             size[position] = tensor.size // len(tensor.layers)  # one layer's pages
     return [KVCacheTensor(size=size[position], layers=names, layer_stride=0, block_stride=0)
             for position, names in sorted(layers_at.items())]
+
+
+def _adapter_slots_for_our_models() -> None:
+    """--enable-lora on our models (tpu_models.lora).
+
+    tpu-inference 0.32.0 builds a LoRA manager only for PyTorch models: its
+    flax_nnx loader returns none, so the warm-up stopped at "LoRA is not
+    enabled", and its LoraUtils reads a torch Punica wrapper. Here the runner
+    gets our AdapterSlots as its lora_manager (vLLM's LoRA mixin then loads,
+    pins and activates adapters through it), each step's tokens are mapped onto
+    slots, and the model is handed the slots (the `lora_metadata` argument).
+    compute_logits takes none: the vocab projection is no target, and the
+    step's per-token slots would give it a new shape to compile per batch.
+    """
+    import numpy as np
+    from tpu_inference.runner.lora_utils import LoraUtils
+    from tpu_inference.runner.tpu_runner import TPUModelRunner
+
+    from tpu_models.lora import AdapterSlots
+
+    original_load = TPUModelRunner.load_model
+    original_set_active = LoraUtils.set_active_loras
+    original_extract = LoraUtils.extract_lora_metadata
+
+    def load_model(self, *args, **kwargs):
+        original_load(self, *args, **kwargs)
+        if self.lora_config is not None and _our_flax_model(self.vllm_config) is not None:
+            self.lora_manager = self.model.adapter_slots(self.mesh)
+            self.compute_logits_fn = _WithoutLora(self.compute_logits_fn)
+
+    def set_active_loras(self, num_scheduled_tokens_per_req, total, padded_total):
+        if not isinstance(getattr(self.runner, "lora_manager", None), AdapterSlots):
+            return original_set_active(self, num_scheduled_tokens_per_req, total, padded_total)
+        counts = np.copy(num_scheduled_tokens_per_req)
+        counts[-1] += padded_total - total  # padding rows: the last request's adapter
+        prompt, tokens, requests = self.runner.input_batch.make_lora_inputs(counts)
+        self.runner._set_active_loras(prompt, tokens, requests)
+
+    def extract_lora_metadata(self):
+        manager = getattr(self.runner, "lora_manager", None)
+        if isinstance(manager, AdapterSlots):
+            return manager.batch()
+        return original_extract(self)
+
+    TPUModelRunner.load_model = load_model
+    LoraUtils.set_active_loras = set_active_loras
+    LoraUtils.extract_lora_metadata = extract_lora_metadata
+
+
+class _WithoutLora:
+    """A jitted compute_logits called without the step's LoRA batch (the runner's
+    warm-up lowers it, hence `lower`)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, state, hidden, _lora=None, **kwargs):
+        return self.fn(state, hidden, None, **kwargs)
+
+    def lower(self, state, hidden, _lora=None, **kwargs):
+        return self.fn.lower(state, hidden, None, **kwargs)
+
+
+def _adapters_checked_before_loading() -> None:
+    """/v1/load_lora_adapter (and each --lora-modules entry) on our models: read
+    and check the adapter in the API server first, so a bad one gets a 400
+    naming it and the fault. vLLM answers any failure inside the engine with a
+    500 InternalServerError."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve import create_error_response
+
+    from tpu_models import registry
+    from tpu_models.lora import AdapterError, read_adapter
+
+    original = OpenAIServingModels._check_load_lora_adapter_request
+
+    async def check(self, request):
+        refused = await original(self, request)
+        if refused is not None:
+            return refused
+        model_config = self.model_config
+        architecture = next((a for a in map(_registered, model_config.architectures or ())
+                             if a is not None), None)
+        lora_config = self.engine_client.vllm_config.lora_config
+        if architecture is None or lora_config is None:
+            return None
+        table, _ = architecture.hf_table(model_config.hf_text_config)
+        try:
+            read_adapter(request.lora_name, request.lora_path, base_table=table,
+                         max_rank=lora_config.max_lora_rank)
+        except AdapterError as e:
+            return create_error_response(message=str(e), err_type="BadRequestError",
+                                         status_code=HTTPStatus.BAD_REQUEST)
+        return None
+
+    def _registered(name):
+        try:
+            return registry.by_hf_name(name)
+        except ValueError:
+            return None
+
+    OpenAIServingModels._check_load_lora_adapter_request = check
 
 
 def _our_flax_model(vllm_config):

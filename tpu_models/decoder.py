@@ -29,6 +29,7 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from vllm.config import VllmConfig
 
 from tpu_models import registry, runtime
+from tpu_models.lora import LoraBatch
 from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
 
@@ -102,10 +103,10 @@ class DecoderLayer(JaxModule):
                             dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
                             quant_config=settings.quant_config, prefix=f"{prefix}.mlp")
 
-    def __call__(self, kv_cache, x, md):
-        kv_cache, attn_out = self.self_attn(kv_cache, self.input_layernorm(x), md)
+    def __call__(self, kv_cache, x, md, lora=None):
+        kv_cache, attn_out = self.self_attn(kv_cache, self.input_layernorm(x), md, lora)
         x = x + attn_out
-        return kv_cache, x + self.mlp(self.post_attention_layernorm(x))
+        return kv_cache, x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class Decoder(JaxModule):
@@ -124,12 +125,13 @@ class Decoder(JaxModule):
         self.norm = layer.norm(cfg, cfg.hidden_size, rngs, "model.norm")
 
     def __call__(self, kv_caches, input_ids, md, inputs_embeds=None, cache_index=None,
-                 aux_layers: tuple[int, ...] = ()):
+                 aux_layers: tuple[int, ...] = (), lora: LoraBatch | None = None):
         """`md`: one AttentionMetadata, or the runner's {"layer.{i}": metadata}
         when the KV cache has groups (each with its block table); `cache_index`:
         {"layer.{i}": index into kv_caches}, shared by layers of different
-        groups (default: layer i owns kv_caches[i]). Returns (kv_caches, hidden,
-        the input [T, D] of each layer in `aux_layers`)."""
+        groups (default: layer i owns kv_caches[i]); `lora`: the step's adapters
+        (tpu_models.lora), None without --enable-lora. Returns (kv_caches,
+        hidden, the input [T, D] of each layer in `aux_layers`)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [T, D]
             if self.cfg.embedding_scale is not None:
@@ -143,7 +145,7 @@ class Decoder(JaxModule):
                 aux.append(x)
             name = f"layer.{i}"
             c = cache_index.get(name, i) if cache_index else i
-            kv_caches[c], x = layer(kv_caches[c], x, md[name] if isinstance(md, dict) else md)
+            kv_caches[c], x = layer(kv_caches[c], x, md[name] if isinstance(md, dict) else md, lora)
         return kv_caches, self.norm(x), aux
 
 
@@ -208,11 +210,12 @@ class CausalLM(JaxModule, LoadableWithIterator):
         return hidden
 
     def __call__(self, kv_caches, input_ids, attention_metadata, inputs_embeds=None,
-                 _input_positions=None, layer_name_to_kv_cache=None, _lora_metadata=None,
-                 intermediate_tensors=None, is_first_rank=True, is_last_rank=True, *args):
+                 _input_positions=None, layer_name_to_kv_cache=None,
+                 lora: LoraBatch | None = None, intermediate_tensors=None, is_first_rank=True,
+                 is_last_rank=True, *args):
         kv_caches, hidden, aux = self.model(kv_caches, input_ids, attention_metadata,
                                             inputs_embeds, dict(layer_name_to_kv_cache or ()),
-                                            self.aux_layers)
+                                            self.aux_layers, lora)
         return kv_caches, hidden, aux, None  # no expert ids
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -224,6 +227,14 @@ class CausalLM(JaxModule, LoadableWithIterator):
         if cap := self.cfg.final_logit_softcapping:
             logits = cap * jnp.tanh(logits / cap)
         return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)
+
+    def adapter_slots(self, mesh: Mesh):
+        """The engine's LoRA manager under --enable-lora (tpu_models.lora), checking
+        adapters against this architecture's checkpoint table."""
+        from tpu_models.lora import AdapterSlots
+        hf = self.vllm_config.model_config.hf_text_config
+        table, _ = registry.by_hf_name(type(self).__name__).hf_table(hf)
+        return AdapterSlots(self, self.vllm_config.lora_config, mesh, table, self.cfg.dtype)
 
     def load_weights(self, weights=None):
         architecture = registry.by_hf_name(type(self).__name__)

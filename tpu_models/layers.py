@@ -24,6 +24,8 @@ from tpu_inference.layers.common.sharding import ShardingAxisName
 from tpu_inference.layers.jax import JaxModule
 from tpu_inference.layers.jax.linear import JaxEinsum
 
+from tpu_models.lora import LoraBatch, project
+
 _init = nnx.initializers.normal(0.02)
 
 
@@ -152,8 +154,9 @@ class GatedMLP(JaxModule):
         self.down_proj = proj("down_proj", "TF,FD->TD", (width, hidden), (mlp, None))
         self.activation = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
+        h = self.activation(project(self.gate_proj, x, lora)) * project(self.up_proj, x, lora)
+        return project(self.down_proj, h, lora)
 
 
 # --- attention -------------------------------------------------------------------
@@ -222,11 +225,11 @@ class Attention(JaxModule):
             self.k_norm = qk_norm(f"{prefix}.k_norm")
         self.kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
 
-    def __call__(self, kv_cache: jax.Array, x: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        q = self.q_proj(x)  # [T, N, H]
-        k = self.k_proj(x)  # [T, K, H]
-        v = self.v_proj(x)  # [T, K, H]
+    def __call__(self, kv_cache: jax.Array, x: jax.Array, md: AttentionMetadata,
+                 lora: LoraBatch | None = None) -> tuple[jax.Array, jax.Array]:
+        q = project(self.q_proj, x, lora)  # [T, N, H]
+        k = project(self.k_proj, x, lora)  # [T, K, H]
+        v = project(self.v_proj, x, lora)  # [T, K, H]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.cfg.rope(q, md.input_positions)
@@ -244,4 +247,4 @@ class Attention(JaxModule):
             attn_logits_soft_cap=self.cfg.soft_cap,
             k_scale=k_scale, v_scale=v_scale,
             attention_backend=self.backend)
-        return kv_cache, self.o_proj(out)  # [T, D]
+        return kv_cache, project(self.o_proj, out, lora)  # [T, D]

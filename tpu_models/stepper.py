@@ -57,6 +57,10 @@ class Stepper:
         self.kv_caches = [jax.device_put(jnp.zeros(shape, cache_dtype), sharding)
                           for _ in range(self.num_layers)]
         self.page_order = np.random.default_rng(seed).permutation(num_pages - 1) + 1  # 0: padding
+        # enable_lora=True: adapters in slots, as the engine keeps them (tpu_models.lora)
+        self.lora = None
+        if self.vllm_config.lora_config is not None:
+            self.lora = self.interface.model.adapter_slots(self.mesh)
         self.requests: dict[str, dict] = {}
         self.reset()
 
@@ -65,18 +69,34 @@ class Stepper:
         self.requests.clear()
         self.free_pages = list(self.page_order)
 
-    def step(self, chunks: dict[str, list[int]]) -> dict[str, np.ndarray]:
-        """Feeds each request its next tokens in one batch; returns their logits [len, V]."""
+    def step(self, chunks: dict[str, list[int]], adapters: dict | None = None
+             ) -> dict[str, np.ndarray]:
+        """Feeds each request its next tokens in one batch; returns their logits [len, V].
+        `adapters`: request -> its vLLM LoRARequest (absent: the base model)."""
         fns = self.interface
+        args = self.prepare(chunks)
+        if self.lora is not None:
+            args = args[:5] + (self.lora_batch(chunks, adapters or {}, len(args[0])), ) + args[6:]
         with jax.set_mesh(self.mesh):  # as the runner: quantized matmuls shard by it
-            self.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, self.kv_caches,
-                                                      *self.prepare(chunks))
+            self.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, self.kv_caches, *args)
             logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
         out, row = {}, 0
         for name, tokens in chunks.items():
             out[name] = logits[row:row + len(tokens)]
             row += len(tokens)
         return out
+
+    def lora_batch(self, chunks: dict[str, list[int]], adapters: dict, num_tokens: int):
+        """The step's adapters in their slots; padding rows take the last request's,
+        as the runner's."""
+        from types import SimpleNamespace
+        ids = []
+        for name, tokens in chunks.items():
+            ids += [adapters[name].lora_int_id if name in adapters else 0] * len(tokens)
+        ids += ids[-1:] * (num_tokens - len(ids))
+        wanted = {adapters[name] for name in chunks if name in adapters}
+        self.lora.set_active_adapters(wanted, SimpleNamespace(index_mapping=ids))
+        return self.lora.batch()
 
     def prepare(self, chunks: dict[str, list[int]]) -> tuple:
         """The step function's arguments after the KV caches, for this batch; appends

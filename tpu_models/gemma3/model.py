@@ -91,10 +91,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = self.norm(cfg, cfg.hidden_size, rngs,
                                                     f"{prefix}.post_feedforward_layernorm")
 
-    def __call__(self, kv_cache, x, md):
-        kv_cache, attn_out = self.self_attn(kv_cache, self.input_layernorm(x), md)
+    def __call__(self, kv_cache, x, md, lora=None):
+        kv_cache, attn_out = self.self_attn(kv_cache, self.input_layernorm(x), md, lora)
         x = x + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x), lora)
         return kv_cache, x + self.post_feedforward_layernorm(mlp_out)
 
 

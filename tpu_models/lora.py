@@ -1,0 +1,275 @@
+"""Many LoRA adapters on one base, chosen per request (vLLM's --enable-lora).
+
+Adapters sit in stacked device buffers, one slot each. A step hands the model
+the buffers and every token's slot (`LoraBatch`), and each targeted projection adds
+
+    y[t] += (x[t] @ A[slot[t]]) @ B[slot[t]]        (the adapter's scale folded into B)
+
+as two batched contractions over all slots, a one-hot of the token's slot keeping
+its own (slot -1, a base-model token, keeps none). Ranks are padded with zeros to
+--max-lora-rank, so any mix of adapters runs the one compiled program; with LoRA
+off the model gets no batch and runs exactly as before.
+
+`AdapterSlots` is the engine's LoRA manager for our models (what vLLM's
+LRUCacheWorkerLoRAManager is to its PyTorch models): it reads and checks PEFT
+adapters (loaders.lora), keeps up to --max-cpu-loras of them on the host, and
+puts the ones a batch uses into the --max-loras slots, least recently used out
+first. tpu_models.compat hands it vLLM's LoRA requests.
+
+Shapes: T tokens, S slots, R --max-lora-rank; a projection's input and output
+axes as in its kernel (q_proj: in D, out N H; o_proj: in N H, out D).
+"""
+
+import contextlib
+import dataclasses
+import logging
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tpu_inference.layers.jax.linear import JaxEinsum
+
+from loaders.hf import CheckpointError
+from loaders.lora import LoraAdapter
+from loaders.tables import PROJECTIONS
+
+logger = logging.getLogger(__name__)
+
+
+def _axes(einsum_str: str) -> tuple[str, str]:
+    """"TD,DNH->TNH" -> ("D", "NH"): a projection's input and output axes, tokens first."""
+    lhs, rest = einsum_str.split(",")
+    return lhs[1:], rest.split("->")[1][1:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraBatch:
+    """One step's adapters: the slot buffers and each token's slot."""
+    slots: jax.Array  # [T] int32; -1: the base model
+    a: dict[str, jax.Array]  # projection prefix -> [S, *in, R]
+    b: dict[str, jax.Array]  # projection prefix -> [S, R, *out], scale folded in
+
+    def add(self, proj: JaxEinsum, x: jax.Array, y: jax.Array) -> jax.Array:
+        a = self.a.get(proj.prefix)
+        if a is None:
+            return y
+        ins, outs = _axes(proj.einsum_str)
+        pick = jax.nn.one_hot(self.slots, a.shape[0], dtype=a.dtype)  # [T, S]
+        xa = jnp.einsum(f"t{ins},s{ins}r->tsr", x.astype(a.dtype), a)  # [T, S, R]
+        delta = jnp.einsum(f"tsr,sr{outs}->t{outs}", xa * pick[:, :, None],
+                           self.b[proj.prefix])  # [T, *out]
+        return y + delta.astype(y.dtype)
+
+
+def project(proj: JaxEinsum, x: jax.Array, lora: LoraBatch | None) -> jax.Array:
+    """proj(x), plus each token's adapter when the step has LoRA."""
+    y = proj(x)
+    return y if lora is None else lora.add(proj, x, y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A projection adapters may target, as its kernel lays it out."""
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    in_axes: tuple  # mesh axes of the input dims (the kernel's sharding)
+    out_axes: tuple
+
+
+def targets(model) -> dict[str, Target]:
+    """Projection prefix (HF module name) -> Target, for every q/k/v/o/gate/up/down."""
+    found = {}
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, JaxEinsum) or node.prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+            continue
+        ins, _ = _axes(node.einsum_str)
+        kernel = node.einsum_str.split(",")[1].split("->")[0]
+        shape = tuple(node.kernel_shape)
+        axes = node.weight.get_metadata().get("out_sharding") or (None, ) * len(shape)
+        is_in = [letter in ins for letter in kernel]
+        found[node.prefix] = Target(
+            ins=tuple(n for n, i in zip(shape, is_in) if i),
+            outs=tuple(n for n, i in zip(shape, is_in) if not i),
+            in_axes=tuple(a for a, i in zip(axes, is_in) if i),
+            out_axes=tuple(a for a, i in zip(axes, is_in) if not i))
+    return found
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; the message names it and the fault."""
+
+
+def read_adapter(name: str, path: str, *, base_table, max_rank: int) -> LoraAdapter:
+    """Reads and checks a PEFT adapter for this base: what load_lora_adapter refuses
+    with a 400 (the API server) and what the engine refuses before a slot changes."""
+    try:
+        adapter = LoraAdapter(path)
+        if adapter.rank > max_rank:
+            raise CheckpointError(f"LoRA adapter {path}: rank r={adapter.rank} is above "
+                                  f"--max-lora-rank {max_rank}")
+        adapter.check_base(base_table)
+    except CheckpointError as e:
+        raise AdapterError(f"LoRA adapter {name!r}: {e}") from e
+    return adapter
+
+
+class AdapterSlots:
+    """The engine's LoRA manager for our models (the interface vLLM's model-runner
+    LoRA mixin calls: add/remove/pin/list adapters, set_active_adapters, the
+    warm-up's dummy adapters), over stacked device buffers."""
+
+    def __init__(self, model, lora_config, mesh: Mesh, base_table: dict, dtype):
+        self.targets = targets(model)
+        self.base_table = base_table
+        self.num_slots = lora_config.max_loras
+        self.max_rank = lora_config.max_lora_rank
+        self.host_capacity = max(lora_config.max_cpu_loras or 0, self.num_slots)
+        self.mesh = mesh
+        S, R = self.num_slots, self.max_rank
+        self.a = {p: self._zeros((S, *t.ins, R), (None, *t.in_axes, None), dtype)
+                  for p, t in self.targets.items()}
+        self.b = {p: self._zeros((S, R, *t.outs), (None, None, *t.out_axes), dtype)
+                  for p, t in self.targets.items()}
+        self.host: OrderedDict[int, dict] = OrderedDict()  # lora id -> weights, LRU first
+        self.names: dict[int, str] = {}
+        self.pinned: set[int] = set()
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
+        self.slots = self._replicated(np.full(1, -1, np.int32))
+        self._write = jax.jit(_write_slot, donate_argnums=(0, 1), out_shardings=(
+            jax.tree.map(lambda x: x.sharding, self.a), jax.tree.map(lambda x: x.sharding, self.b)))
+
+    def _zeros(self, shape, axes, dtype) -> jax.Array:
+        return jax.device_put(jnp.zeros(shape, dtype), NamedSharding(self.mesh, P(*axes)))
+
+    def _replicated(self, array: np.ndarray) -> jax.Array:
+        return jax.device_put(array, NamedSharding(self.mesh, P()))
+
+    # --- the host cache ------------------------------------------------------------
+
+    def add_adapter(self, request) -> bool:
+        """Reads the adapter into the host cache (False: it was there)."""
+        if request.lora_int_id in self.host:
+            self.host.move_to_end(request.lora_int_id)
+            return False
+        adapter = read_adapter(request.lora_name, request.lora_path,
+                               base_table=self.base_table, max_rank=self.max_rank)
+        self._cache(request, self._host_weights(adapter))
+        logger.info("tpu-models: LoRA adapter %r (rank %d, %d projections) from %s",
+                    request.lora_name, adapter.rank, len(adapter.targets), request.lora_path)
+        return True
+
+    def _host_weights(self, adapter: LoraAdapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """prefix -> (A [*in, R], B [R, *out]): PEFT's A [r, in] and B [out, r]
+        transposed, the scale folded into B, zero-padded to R."""
+        weights, r, R = {}, adapter.rank, self.max_rank
+        for name, (a, b) in adapter.targets.items():
+            t = self.targets[name.removesuffix(".weight")]
+            A = np.zeros((*t.ins, R), np.float32)
+            A[..., :r] = a.float().numpy().T.reshape(*t.ins, r)
+            B = np.zeros((R, *t.outs), np.float32)
+            B[:r] = (adapter.scale * b.float().numpy().T).reshape(r, *t.outs)
+            weights[name.removesuffix(".weight")] = (A, B)
+        return weights
+
+    def _cache(self, request, weights: dict) -> None:
+        self.host[request.lora_int_id] = weights
+        self.names[request.lora_int_id] = request.lora_name
+        while len(self.host) > self.host_capacity:
+            victim = next((i for i in self.host if i not in self.pinned), None)
+            if victim is None:
+                raise AdapterError(f"LoRA adapter {request.lora_name!r}: all {self.host_capacity} "
+                                   "host slots (--max-cpu-loras) hold pinned adapters")
+            self.remove_adapter(victim)
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        self.pinned.discard(lora_id)
+        self.slot_of.pop(lora_id, None)  # its slot is free; stale weights are never picked
+        self.names.pop(lora_id, None)
+        return self.host.pop(lora_id, None) is not None
+
+    def remove_all_adapters(self) -> None:
+        for lora_id in list(self.host):
+            self.remove_adapter(lora_id)
+
+    def list_adapters(self) -> set[int]:
+        return set(self.host)
+
+    def pin_adapter(self, lora_id: int) -> bool:
+        if lora_id not in self.host:
+            raise AdapterError(f"LoRA adapter id {lora_id} is not loaded; it cannot be pinned")
+        self.pinned.add(lora_id)
+        return True
+
+    @property
+    def capacity(self) -> int:
+        return self.host_capacity
+
+    # --- the device slots ----------------------------------------------------------
+
+    def set_active_adapters(self, requests, mapping) -> None:
+        """Puts this step's adapters into slots and maps its tokens onto them
+        (`mapping.index_mapping`: each token's lora id, 0 for the base)."""
+        wanted = {r.lora_int_id: r for r in requests if r is not None and r.lora_int_id > 0}
+        if len(wanted) > self.num_slots:
+            raise AdapterError(f"{len(wanted)} LoRA adapters in one batch; --max-loras is "
+                               f"{self.num_slots}")
+        for lora_id, request in wanted.items():
+            if lora_id not in self.host:
+                self.add_adapter(request)
+            self._slot(lora_id, keep=wanted)
+        ids = np.asarray(mapping.index_mapping, np.int32)
+        lookup = {0: -1, **{i: s for i, s in self.slot_of.items() if i in wanted}}
+        self.slots = self._replicated(
+            np.fromiter((lookup.get(i, -1) for i in ids), np.int32, len(ids)))
+
+    def _slot(self, lora_id: int, keep) -> int:
+        if lora_id in self.slot_of:
+            self.slot_of.move_to_end(lora_id)
+            return self.slot_of[lora_id]
+        used = set(self.slot_of.values())
+        free = [s for s in range(self.num_slots) if s not in used]
+        if free:
+            slot = free[0]
+        else:  # the least recently used adapter this batch does not need
+            victim = next(i for i in self.slot_of if i not in keep)
+            slot = self.slot_of.pop(victim)
+        # Every projection is written (zeros where the adapter has none), so the
+        # write compiles once whatever an adapter targets.
+        weights = self.host[lora_id]
+        a = {p: np.asarray(weights[p][0] if p in weights else np.zeros(buf.shape[1:]), buf.dtype)
+             for p, buf in self.a.items()}
+        b = {p: np.asarray(weights[p][1] if p in weights else np.zeros(buf.shape[1:]), buf.dtype)
+             for p, buf in self.b.items()}
+        self.a, self.b = self._write(self.a, self.b, a, b, np.int32(slot))
+        self.slot_of[lora_id] = slot
+        return slot
+
+    def batch(self) -> LoraBatch:
+        return LoraBatch(self.slots, self.a, self.b)
+
+    # --- the warm-up's adapters (vLLM's precompilation) ----------------------------
+
+    @contextlib.contextmanager
+    def dummy_lora_cache(self):
+        yield
+
+    def get_dummy_lora_warmup_rank(self, rank: int) -> int:
+        return rank
+
+    def add_dummy_lora(self, request, rank: int) -> bool:
+        """A zero adapter: it changes nothing, and compiles the same program."""
+        if request.lora_int_id in self.host:
+            return False
+        self._cache(request, {})
+        return True
+
+
+def _write_slot(a, b, new_a, new_b, slot):
+    """The buffers with `slot` holding the new adapter."""
+    def put(buffers, new):
+        return {p: buf.at[slot].set(new[p]) for p, buf in buffers.items()}
+    return put(a, new_a), put(b, new_b)
