@@ -94,11 +94,12 @@ def test_more_adapters_than_slots_stay_exact(qwen3, tmp_path):
     stepper = Stepper(qwen3, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
     vocab = references[None].vocab_size
     rng = np.random.default_rng(1)
-    # Two adapters a step (the engine's --max-loras), cycling through all six
-    # and back, so slots and the 3-adapter host cache both evict.
-    order = ["a0", "a1", "a2", "a3", "a4", "a5", "a0", "a3"]
+    # Two adapters a step (the engine's --max-loras) over all six and back, so
+    # slots and the 3-adapter host cache both evict; (a0, a3) comes when a0 is
+    # the oldest on the host: reading a3 must not evict it.
+    pairs = [("a0", "a1"), ("a1", "a2"), ("a0", "a3"), ("a4", "a5"), ("a5", "a0"), ("a3", "a2")]
     steps, assigned = [], {}
-    for k, (x, y) in enumerate(zip(order, order[1:])):
+    for k, (x, y) in enumerate(pairs):
         rx, ry, rb = f"r{k}-{x}", f"r{k}-{y}", f"r{k}-base"
         assigned |= {rx: x, ry: y, rb: None}
         steps.append({rx: rng.integers(0, vocab, 7).tolist(), rb: rng.integers(0, vocab, 3).tolist(),
@@ -116,3 +117,145 @@ def test_adapters_the_slots_cannot_take_are_refused_by_name(qwen3, gemma3, tmp_p
     with pytest.raises(AdapterError, match=r"'other'.*adapter trained for another model"):
         stepper.lora.add_adapter(LoRARequest("other", 2, str(other)))
     assert stepper.lora.list_adapters() == set()
+
+
+# --- through `vllm serve` ----------------------------------------------------------
+
+CONCURRENT = 16
+MAX_TOKENS = 12
+
+
+def serve_args(extra=()):
+    return ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes",
+            str(64 << 20), "--served-model-name", "tiny", "--enable-lora", *extra)
+
+
+def lora_modules(adapters) -> list[str]:
+    return ["--lora-modules", *[f"{name}={path}" for name, (_, path) in adapters.items()]]
+
+
+def generate_all(server, jobs, prompt_logprobs=False):
+    """jobs: [(model name, prompt ids)] sent at once -> [(greedy ids, prompt log-probs)]."""
+    import asyncio
+
+    async def run():
+        client = server.async_client()
+        extra = {"return_token_ids": True, "ignore_eos": True}
+        if prompt_logprobs:
+            extra["prompt_logprobs"] = 0
+        responses = await asyncio.gather(*[
+            client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body=extra)
+            for model, prompt in jobs])
+        out = []
+        for r, (_, prompt) in zip(responses, jobs):
+            choice = r.choices[0]
+            logprobs = None
+            if prompt_logprobs:  # [None, {id: {logprob}}, ...]: the prompt's own tokens
+                logprobs = [entry[str(t)]["logprob"] for t, entry in
+                            zip(prompt[1:], choice.prompt_logprobs[1:])]
+            out.append((choice.token_ids, logprobs))
+        return out
+
+    return asyncio.run(run())
+
+
+def reference_logprobs(reference, prompt) -> np.ndarray:
+    logits = reference.logits(prompt)[:-1].astype(np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return logp[np.arange(len(prompt) - 1), prompt[1:]]
+
+
+def check_jobs(server, jobs, references, prompt_logprobs=False):
+    got = generate_all(server, jobs, prompt_logprobs)
+    for (model, prompt), (ids, logprobs) in zip(jobs, got):
+        reference = references[model]
+        assert ids == reference.greedy(prompt, MAX_TOKENS), f"{model}: prompt of {len(prompt)}"
+        if prompt_logprobs:
+            np.testing.assert_allclose(logprobs, reference_logprobs(reference, prompt), atol=1e-4,
+                                       rtol=0, err_msg=f"{model}: prompt log-probs")
+
+
+def random_jobs(models, vocab, seed):
+    rng = np.random.default_rng(seed)
+    return [(models[i % len(models)], rng.integers(0, vocab, int(n)).tolist())
+            for i, n in enumerate(rng.integers(2, 60, CONCURRENT))]
+
+
+@pytest.mark.e2e
+def test_served_adapters_share_batches_load_and_unload(qwen3, tmp_path):
+    """Qwen3-structural, 3 adapters from --lora-modules beside the base, 16 requests
+    at once; then adapters loaded and unloaded at runtime, bad ones refused with
+    a 400 that names them while the server keeps serving."""
+    import requests as http
+
+    from server.process import Server
+
+    adapters = adapters_for(qwen3, tmp_path)
+    references = {"tiny": Reference(qwen3)} | {
+        name: Reference(qwen3, adapter=path) for name, (_, path) in adapters.items()}
+    late = make_lora(qwen3, tmp_path / "late", targets=("o_proj", "down_proj"), r=8, seed=7)
+    references["late"] = Reference(qwen3, adapter=late)
+    too_high = make_lora(qwen3, tmp_path / "too-high", r=16, seed=8)
+    dora = make_lora(qwen3, tmp_path / "dora", r=2, seed=9)
+    edit_config(dora, use_dora=True)
+    vocab = references["tiny"].vocab_size
+    with Server(qwen3, *serve_args(["--max-loras", "3", "--max-lora-rank", "8",
+                                     *lora_modules(adapters)]),
+                env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, log=tmp_path / "serve.log") as s:
+        listed = [m.id for m in s.client().models.list().data]
+        assert sorted(listed) == sorted(["tiny", *adapters])
+        check_jobs(s, random_jobs(["tiny", *adapters], vocab, seed=0), references,
+                   prompt_logprobs=True)
+
+        def load(name, path):
+            return http.post(f"{s.url}/v1/load_lora_adapter", headers=s.headers(),
+                             json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+
+        for name, path, fault in [("too-high", too_high, "rank r=16 is above --max-lora-rank 8"),
+                                  ("dora", dora, "use_dora=True is not supported"),
+                                  ("missing", tmp_path / "nowhere", "no adapter_config.json")]:
+            r = load(name, path)
+            assert r.status_code == 400, r.text
+            assert f"'{name}'" in r.json()["error"]["message"] and fault in r.json()["error"]["message"]
+        unknown = http.post(f"{s.url}/v1/completions", headers=s.headers(), timeout=60,
+                            json={"model": "no-such-adapter", "prompt": [1, 2], "max_tokens": 2})
+        assert unknown.status_code == 404 and "no-such-adapter" in unknown.text
+
+        assert load("late", late).status_code == 200
+        # 4 adapters on 3 slots, and the base, at once.
+        check_jobs(s, random_jobs(["late", "tiny", *adapters], vocab, seed=1), references)
+        r = http.post(f"{s.url}/v1/unload_lora_adapter", headers=s.headers(), timeout=60,
+                      json={"lora_name": "late"})
+        assert r.status_code == 200, r.text
+        assert "late" not in [m.id for m in s.client().models.list().data]
+        gone = http.post(f"{s.url}/v1/completions", headers=s.headers(), timeout=60,
+                         json={"model": "late", "prompt": [1, 2], "max_tokens": 2})
+        assert gone.status_code == 404
+
+
+@pytest.mark.e2e
+def test_six_adapters_on_two_slots_gemma3(gemma3, tmp_path):
+    """Gemma 3 (hybrid sliding-window KV cache), 6 adapters over --max-loras 2 and
+    a host cache of 3, 16 requests at once: the scheduler swaps adapters in and out."""
+    from server.process import Server
+
+    specs = {f"g{i}": dict(r=(2, 4, 8)[i % 3], seed=20 + i, use_rslora=i == 5,
+                           targets=(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                    ("gate_proj", "up_proj", "down_proj"))[i % 2])
+             for i in range(6)}
+    adapters = adapters_for(gemma3, tmp_path, specs)
+    references = {"tiny": Reference(gemma3)} | {
+        name: Reference(gemma3, adapter=path) for name, (_, path) in adapters.items()}
+    with Server(gemma3, *serve_args(["--max-loras", "2", "--max-cpu-loras", "3",
+                                      "--max-lora-rank", "8", *lora_modules(adapters)]),
+                log=tmp_path / "serve.log") as s:
+        check_jobs(s, random_jobs(["tiny", *adapters], references["tiny"].vocab_size, seed=2),
+                   references)
+
+
+def edit_config(adapter, **fields):
+    import json
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | fields))

@@ -139,7 +139,8 @@ class AdapterSlots:
         self.pinned: set[int] = set()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.slots = self._replicated(np.full(1, -1, np.int32))
-        self._write = jax.jit(_write_slot, donate_argnums=(0, 1), out_shardings=(
+        # No donation: a step in flight (async scheduling) may still read the old buffers.
+        self._write = jax.jit(_write_slot, out_shardings=(
             jax.tree.map(lambda x: x.sharding, self.a), jax.tree.map(lambda x: x.sharding, self.b)))
 
     def _zeros(self, shape, axes, dtype) -> jax.Array:
@@ -150,14 +151,15 @@ class AdapterSlots:
 
     # --- the host cache ------------------------------------------------------------
 
-    def add_adapter(self, request) -> bool:
-        """Reads the adapter into the host cache (False: it was there)."""
+    def add_adapter(self, request, keep=()) -> bool:
+        """Reads the adapter into the host cache (False: it was there), evicting
+        the least recently used one not in `keep` when the cache is full."""
         if request.lora_int_id in self.host:
             self.host.move_to_end(request.lora_int_id)
             return False
         adapter = read_adapter(request.lora_name, request.lora_path,
                                base_table=self.base_table, max_rank=self.max_rank)
-        self._cache(request, self._host_weights(adapter))
+        self._cache(request, self._host_weights(adapter), keep)
         logger.info("tpu-models: LoRA adapter %r (rank %d, %d projections) from %s",
                     request.lora_name, adapter.rank, len(adapter.targets), request.lora_path)
         return True
@@ -175,14 +177,16 @@ class AdapterSlots:
             weights[name.removesuffix(".weight")] = (A, B)
         return weights
 
-    def _cache(self, request, weights: dict) -> None:
+    def _cache(self, request, weights: dict, keep=()) -> None:
         self.host[request.lora_int_id] = weights
         self.names[request.lora_int_id] = request.lora_name
         while len(self.host) > self.host_capacity:
-            victim = next((i for i in self.host if i not in self.pinned), None)
+            victim = next((i for i in self.host
+                           if i not in self.pinned and i not in keep and i != request.lora_int_id),
+                          None)
             if victim is None:
                 raise AdapterError(f"LoRA adapter {request.lora_name!r}: all {self.host_capacity} "
-                                   "host slots (--max-cpu-loras) hold pinned adapters")
+                                   "host slots (--max-cpu-loras) hold pinned adapters or this batch's")
             self.remove_adapter(victim)
 
     def remove_adapter(self, lora_id: int) -> bool:
@@ -217,9 +221,9 @@ class AdapterSlots:
         if len(wanted) > self.num_slots:
             raise AdapterError(f"{len(wanted)} LoRA adapters in one batch; --max-loras is "
                                f"{self.num_slots}")
-        for lora_id, request in wanted.items():
-            if lora_id not in self.host:
-                self.add_adapter(request)
+        for request in wanted.values():  # on the host first: reading one may evict another
+            self.add_adapter(request, keep=wanted)
+        for lora_id in wanted:
             self._slot(lora_id, keep=wanted)
         ids = np.asarray(mapping.index_mapping, np.int32)
         lookup = {0: -1, **{i: s for i, s in self.slot_of.items() if i in wanted}}

@@ -94,7 +94,7 @@ class Stepper:
         for name, tokens in chunks.items():
             ids += [adapters[name].lora_int_id if name in adapters else 0] * len(tokens)
         ids += ids[-1:] * (num_tokens - len(ids))
-        wanted = {adapters[name] for name in chunks if name in adapters}
+        wanted = list(dict.fromkeys(adapters[name] for name in chunks if name in adapters))
         self.lora.set_active_adapters(wanted, SimpleNamespace(index_mapping=ids))
         return self.lora.batch()
 
