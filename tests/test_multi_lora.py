@@ -259,3 +259,71 @@ def edit_config(adapter, **fields):
     import json
     path = adapter / "adapter_config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+
+
+def test_adapters_shard_like_their_base_weights(tmp_path):
+    """TP 1, 2 and 4 (fake CPU devices): each request's logits equal peft's merge of
+    its adapter, and each slot buffer is split along its base kernel's split axes."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_tensor_parallel import FOUR_DEVICES, MODELS
+
+    base = MODELS["qwen3-structural"](tmp_path / "base")  # one KV head: replicated K/V over 2, 4
+    adapters = [make_lora(base, tmp_path / f"a{i}", r=r, seed=30 + i, use_rslora=i == 1)
+                for i, r in enumerate((4, 8, 2))]
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, "-m", "tests.tp_worker", str(base), str(out),
+                    *map(str, adapters)], check=True, timeout=900,
+                   env={**os.environ, **FOUR_DEVICES}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    results = json.loads(out.read_text())
+    references = {f"r{i}": Reference(base, adapter=a) for i, a in enumerate(adapters)}
+    references["base"] = Reference(base)
+    for tp in ("1", "2", "4"):
+        for name, logits in results[tp]["logits"].items():
+            want = references[name].logits(results["prompts"][name])[-1]
+            np.testing.assert_allclose(logits[:383], want, atol=1e-4, rtol=0, err_msg=f"TP={tp} {name}")
+    specs, base_specs = results["4"]["shardings"], results["4"]["base_shardings"]
+    # A takes the kernel's input axes, B its output axes (slots and rank unsplit).
+    m = "model"
+    assert base_specs["q_proj"] == [None, m, None] and base_specs["o_proj"] == [m, None, None]
+    assert specs["a:q_proj"] == [None, None, None] and specs["b:q_proj"] == [None, None, m, None]
+    assert specs["a:o_proj"] == [None, m, None, None] and specs["b:o_proj"] == [None, None, None]
+    assert specs["b:up_proj"] == [None, None, m] and specs["a:down_proj"] == [None, m, None]
+    # one KV head over 4 devices: K/V replicated, their adapters too
+    assert base_specs["k_proj"] == [None, None, None] and specs["b:k_proj"] == [None, None, None, None]
+
+
+def test_adapters_on_a_qwix_quantized_base(qwen3, tmp_path):
+    """int8 weight-only base (a Qwix preset) with an adapter in a slot: off peft's
+    merged fp32 model by the quantization error alone, far less than the adapter moves it."""
+    from benchmarks.quant_quality import build
+
+    adapter = make_lora(qwen3, tmp_path / "adapter", r=8, seed=5)
+    request = LoRARequest("q", 1, str(adapter))
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, 384, 24).tolist() for _ in range(4)]
+
+    def log_probs(logits):
+        x = np.asarray(logits, np.float64)[..., :384]
+        x -= x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    stepper = build(qwen3, "int8-weight-only", enable_lora=True, max_lora_rank=8)
+    batch = {f"s{i}": s for i, s in enumerate(sequences)}
+    with_adapter = log_probs(np.concatenate(list(stepper.step(batch, dict.fromkeys(batch, request))
+                                                 .values())))
+    stepper.reset()
+    quantized_base = log_probs(np.concatenate(list(stepper.step(batch).values())))
+    merged = log_probs(np.concatenate([Reference(qwen3, adapter=adapter).logits(s) for s in sequences]))
+    base = log_probs(np.concatenate([Reference(qwen3).logits(s) for s in sequences]))
+    quantization_error = np.abs(quantized_base - base).mean()
+    error = np.abs(with_adapter - merged).mean()
+    effect = np.abs(merged - base).mean()
+    print(f"int8 base + adapter: mean |dlogp| vs peft {error:.2e}; quantization alone "
+          f"{quantization_error:.2e}; the adapter's effect {effect:.2e}")
+    assert quantization_error > 1e-6  # the base is quantized
+    assert error < 2 * quantization_error
+    assert effect > 20 * error

@@ -1,7 +1,11 @@
 """Greedy tokens and logits of our models at several tensor-parallel sizes.
 
 Runs in its own process: the fake CPU devices must exist before JAX starts.
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.tp_worker DIR ARCH OUT.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.tp_worker DIR OUT.json [ADAPTER...]
+
+With adapters: one prefill step, request r{i} on adapter i (in slots,
+--enable-lora) and "base" on none; its last logits and the slot buffers'
+shardings per size.
 """
 
 import json
@@ -39,5 +43,46 @@ def main(directory, out, sizes=(1, 2, 4)):
         json.dump(results, f)
 
 
+def with_adapters(directory, out, adapters, sizes=(1, 2, 4)):
+    from vllm.lora.request import LoRARequest
+
+    rng = np.random.default_rng(0)
+    names = [f"r{i}" for i in range(len(adapters))] + ["base"]
+    prompts = {name: rng.integers(0, 380, n).tolist() for name, n in zip(names, (9, 33, 4, 20))}
+    requests = {f"r{i}": LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)}
+    results = {"prompts": prompts}
+    for tp in sizes:
+        stepper = Stepper(directory, num_devices=tp, enable_lora=True, max_loras=len(adapters),
+                          max_lora_rank=8)
+        logits = stepper.step(prompts, requests)
+        slots = stepper.lora
+        results[tp] = {
+            "logits": {k: v[-1].tolist() for k, v in logits.items()},
+            "shardings": {f"{part}:{prefix.rsplit('.', 1)[-1]}": spec(buffers[prefix])
+                          for part, buffers in (("a", slots.a), ("b", slots.b))
+                          for prefix in buffers if ".layers.0." in prefix},
+            "base_shardings": dict(base_specs(stepper)),
+        }
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+def base_specs(stepper):
+    from flax import nnx
+    from tpu_inference.layers.jax.linear import JaxEinsum
+    for _, node in nnx.iter_graph(stepper.interface.model):
+        if isinstance(node, JaxEinsum) and ".layers.0." in node.prefix:
+            yield node.prefix.rsplit(".", 1)[-1], spec(node.weight.value)
+
+
+def spec(array) -> list:
+    """The mesh axis of each dim (None: whole on every device)."""
+    axes = list(getattr(array.sharding, "spec", ()))
+    return axes + [None] * (array.ndim - len(axes))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) > 3:
+        with_adapters(sys.argv[1], sys.argv[2], sys.argv[3:])
+    else:
+        main(sys.argv[1], sys.argv[2])

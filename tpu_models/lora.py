@@ -89,7 +89,7 @@ def targets(model) -> dict[str, Target]:
         ins, _ = _axes(node.einsum_str)
         kernel = node.einsum_str.split(",")[1].split("->")[0]
         shape = tuple(node.kernel_shape)
-        axes = node.weight.get_metadata().get("out_sharding") or (None, ) * len(shape)
+        axes = _kernel_axes(node.weight, shape)
         is_in = [letter in ins for letter in kernel]
         found[node.prefix] = Target(
             ins=tuple(n for n, i in zip(shape, is_in) if i),
@@ -97,6 +97,16 @@ def targets(model) -> dict[str, Target]:
             in_axes=tuple(a for a, i in zip(axes, is_in) if i),
             out_axes=tuple(a for a, i in zip(axes, is_in) if not i))
     return found
+
+
+def _kernel_axes(weight, shape) -> tuple:
+    """The mesh axes a kernel is split along, one per dim."""
+    if hasattr(weight, "get_metadata"):  # an nnx.Param: its declared sharding
+        axes = weight.get_metadata().get("out_sharding")
+    else:  # Qwix's quantized kernel (WithAux): the quantized array keeps the sharding
+        leaf = next(x for x in jax.tree.leaves(weight.array) if tuple(x.shape) == shape)
+        axes = tuple(getattr(leaf.sharding, "spec", ()))
+    return tuple(axes or ()) + (None, ) * (len(shape) - len(axes or ()))
 
 
 class AdapterError(ValueError):
