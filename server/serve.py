@@ -41,8 +41,9 @@ def parser() -> argparse.ArgumentParser:
                    help="where JAX runs (auto: TPU if this host has one, else CPU)")
     p.add_argument("--lora", metavar="ADAPTER_DIR",
                    help="merge this PEFT LoRA adapter into the weights while loading "
-                        "(no per-token cost; same as --additional-config "
-                        "'{\"merge_lora\": ADAPTER_DIR}')")
+                        "(one adapter, no per-token cost; same as --additional-config "
+                        "'{\"merge_lora\": ADAPTER_DIR}'). For several adapters chosen per "
+                        "request use vLLM's --enable-lora --lora-modules NAME=DIR ...")
     p.add_argument("--check-weights", action="store_true",
                    help="refuse to start if a weight holds NaN or infinity, naming the tensor "
                         "(one extra pass over the weights while loading; same as "
@@ -89,6 +90,9 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
             raise ValueError("give --speculative or --speculative-config, not both")
         vllm_args += ["--speculative-config", json.dumps(SPECULATIVE[args.speculative])]
     if args.lora:
+        if _given(vllm_args, "--enable-lora"):
+            raise ValueError("give --lora (one adapter merged at load) or --enable-lora "
+                             "(adapters chosen per request), not both")
         vllm_args = _with_additional_config(vllm_args, {"merge_lora": os.path.abspath(args.lora)})
     if args.check_weights:
         vllm_args = _with_additional_config(vllm_args, {"check_weights": True})

@@ -236,23 +236,57 @@ def test_served_adapters_share_batches_load_and_unload(qwen3, tmp_path):
 
 
 @pytest.mark.e2e
-def test_six_adapters_on_two_slots_gemma3(gemma3, tmp_path):
-    """Gemma 3 (hybrid sliding-window KV cache), 6 adapters over --max-loras 2 and
-    a host cache of 3, 16 requests at once: the scheduler swaps adapters in and out."""
+def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
+    """Gemma 3 (hybrid sliding-window KV cache), 6 adapters over --max-loras 2 and a
+    host cache of 3, 16 requests at once: the scheduler swaps adapters in and out.
+    Base and one adapter come from a Tunix LoRA run (`tpu-models export tunix`,
+    full and --adapter-only): served, that adapter computes Tunix's own logits."""
     from server.process import Server
+    from tests.test_export_tunix import FIXTURES, fixture, hf_config_dir, tunix
 
-    specs = {f"g{i}": dict(r=(2, 4, 8)[i % 3], seed=20 + i, use_rslora=i == 5,
+    meta, tokens = fixture("gemma3")
+    base = tunix(FIXTURES / "gemma3" / "full_ckpt", hf_config_dir("gemma3", tmp_path),
+                 tmp_path / "base")
+    specs = {f"g{i}": dict(r=(2, 4, 8)[i % 3], seed=20 + i, use_rslora=i == 3,
                            targets=(("q_proj", "k_proj", "v_proj", "o_proj"),
                                     ("gate_proj", "up_proj", "down_proj"))[i % 2])
-             for i in range(6)}
-    adapters = adapters_for(gemma3, tmp_path, specs)
-    references = {"tiny": Reference(gemma3)} | {
-        name: Reference(gemma3, adapter=path) for name, (_, path) in adapters.items()}
-    with Server(gemma3, *serve_args(["--max-loras", "2", "--max-cpu-loras", "3",
-                                      "--max-lora-rank", "8", *lora_modules(adapters)]),
+             for i in range(5)}
+    adapters = adapters_for(base, tmp_path, specs)
+    exported = tunix(FIXTURES / "gemma3" / "lora_ckpt", base, tmp_path / "tunix",
+                     lora_alpha=meta["lora"]["alpha"], adapter_only=True)
+    adapters["tunix"] = (None, exported)
+    references = {"tiny": Reference(base)} | {
+        name: Reference(base, adapter=path) for name, (_, path) in adapters.items()}
+    with Server(base, *serve_args(["--max-loras", "2", "--max-cpu-loras", "3",
+                                    "--max-lora-rank", "8", *lora_modules(adapters)]),
                 log=tmp_path / "serve.log") as s:
         check_jobs(s, random_jobs(["tiny", *adapters], references["tiny"].vocab_size, seed=2),
                    references)
+        ((_, served), ) = generate_all(s, [("tunix", tokens)], prompt_logprobs=True)
+    tunix_logits = np.load(FIXTURES / "gemma3" / "lora_logits.npy")[0].astype(np.float64)
+    tunix_logits -= tunix_logits.max(-1, keepdims=True)
+    tunix_logp = tunix_logits - np.log(np.exp(tunix_logits).sum(-1, keepdims=True))
+    want = tunix_logp[np.arange(len(tokens) - 1), tokens[1:]]
+    np.testing.assert_allclose(served, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.e2e
+def test_a_bad_lora_modules_entry_stops_start_up_naming_it(qwen3, tmp_path):
+    from server.process import Server
+
+    bad = make_lora(qwen3, tmp_path / "biased", r=2)
+    edit_config(bad, bias="lora_only")
+    server = Server(qwen3, *serve_args(["--max-lora-rank", "8", "--lora-modules", f"biased={bad}"]),
+                    log=tmp_path / "serve.log")
+    assert server.wait_exit() != 0
+    assert "LoRA adapter 'biased'" in server.output() and "bias='lora_only'" in server.output()
+
+
+def test_merging_and_per_request_adapters_are_not_mixed(tmp_path):
+    from server.serve import build_command
+
+    with pytest.raises(ValueError, match="--lora .* or --enable-lora"):
+        build_command(["--lora", str(tmp_path), "--enable-lora"], {})
 
 
 def edit_config(adapter, **fields):
