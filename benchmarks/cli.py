@@ -26,6 +26,8 @@ OWN_OPTIONS = {
                                       "phase"),
     "spec": ("benchmarks.spec_decode", "speculative decoding on the demo model: off, n-gram and "
                                        "EAGLE-3 side by side (tok/s, TPOT, acceptance)"),
+    "lora": ("benchmarks.multi_lora", "adapters chosen per request (--enable-lora) vs one "
+                                      "merged at load: output tok/s at 1, 4, 16 (served)"),
     "real-scale": ("benchmarks.real_scale", "real-shaped models served one request at a time: "
                                             "TPOT next to the model-level step, start-up, memory"),
     "quant": ("benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "

@@ -193,11 +193,7 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
     adapter = LoraAdapter.from_tensors(peft_config, tensors, where)
     adapter.check_base(table)
     if adapter_only:
-        with HfWriter(out, overwrite=overwrite, weights_name="adapter_model",
-                      max_shard_bytes=2**62) as writer:  # PEFT reads one file
-            writer.add_all(adapter.peft_tensors().items())
-            writer.write_json("adapter_config.json", peft_config)
-        return Path(out)
+        return adapter.save(out, overwrite=overwrite)
     checkpoint_base = HfCheckpoint(base)
     check_checkpoint(checkpoint_base, config, table, optional=optional)
     with HfWriter(out, overwrite=overwrite) as writer:

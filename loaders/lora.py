@@ -145,6 +145,15 @@ class LoraAdapter:
             tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
         return tensors
 
+    def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
+        """Writes the adapter in PEFT's format (atomically, one safetensors file)."""
+        from loaders.hf_writer import HfWriter
+        with HfWriter(out, overwrite=overwrite, weights_name="adapter_model",
+                      max_shard_bytes=2**62) as writer:  # PEFT reads one file
+            writer.add_all(self.peft_tensors().items())
+            writer.write_json(CONFIG, self.config)
+        return Path(out)
+
     def delta(self, name: str) -> torch.Tensor:
         a, b = self.targets[name]
         return self.scale * (b.float() @ a.float())

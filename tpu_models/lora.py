@@ -145,7 +145,6 @@ class AdapterSlots:
         self.b = {p: self._zeros((S, R, *t.outs), (None, None, *t.out_axes), dtype)
                   for p, t in self.targets.items()}
         self.host: OrderedDict[int, dict] = OrderedDict()  # lora id -> weights, LRU first
-        self.names: dict[int, str] = {}
         self.pinned: set[int] = set()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.slots = self._replicated(np.full(1, -1, np.int32))
@@ -189,7 +188,6 @@ class AdapterSlots:
 
     def _cache(self, request, weights: dict, keep=()) -> None:
         self.host[request.lora_int_id] = weights
-        self.names[request.lora_int_id] = request.lora_name
         while len(self.host) > self.host_capacity:
             victim = next((i for i in self.host
                            if i not in self.pinned and i not in keep and i != request.lora_int_id),
@@ -202,7 +200,6 @@ class AdapterSlots:
     def remove_adapter(self, lora_id: int) -> bool:
         self.pinned.discard(lora_id)
         self.slot_of.pop(lora_id, None)  # its slot is free; stale weights are never picked
-        self.names.pop(lora_id, None)
         return self.host.pop(lora_id, None) is not None
 
     def remove_all_adapters(self) -> None:
@@ -217,10 +214,6 @@ class AdapterSlots:
             raise AdapterError(f"LoRA adapter id {lora_id} is not loaded; it cannot be pinned")
         self.pinned.add(lora_id)
         return True
-
-    @property
-    def capacity(self) -> int:
-        return self.host_capacity
 
     # --- the device slots ----------------------------------------------------------
 
