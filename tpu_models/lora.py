@@ -228,10 +228,12 @@ class AdapterSlots:
             self.add_adapter(request, keep=wanted)
         for lora_id in wanted:
             self._slot(lora_id, keep=wanted)
-        ids = np.asarray(mapping.index_mapping, np.int32)
-        lookup = {0: -1, **{i: s for i, s in self.slot_of.items() if i in wanted}}
-        self.slots = self._replicated(
-            np.fromiter((lookup.get(i, -1) for i in ids), np.int32, len(ids)))
+        lookup = {0: -1, **{i: self.slot_of[i] for i in wanted}}
+        ids = list(mapping.index_mapping)
+        if unknown := set(ids) - lookup.keys():  # never served as the base by mistake
+            raise AdapterError(f"tokens for LoRA adapter ids {sorted(unknown)}, which no "
+                               "request of the batch names")
+        self.slots = self._replicated(np.array([lookup[i] for i in ids], np.int32))
 
     def _slot(self, lora_id: int, keep) -> int:
         if lora_id in self.slot_of:
