@@ -29,3 +29,17 @@ def demo_server(tmp_path_factory):
     with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20),
                 log=log, api_key=DEMO_API_KEY, env={"SKIP_JAX_PRECOMPILE": "0"}) as server:
         yield server
+
+
+# The tiny bases the LoRA tests (merged and per-request) share; a module that needs
+# another shape defines its own fixture of the same name.
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from tests.tiny import make_qwen3
+    return make_qwen3(tmp_path_factory.mktemp("qwen3"), num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from tests.tiny import make_gemma3
+    return make_gemma3(tmp_path_factory.mktemp("gemma3"))

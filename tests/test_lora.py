@@ -13,17 +13,7 @@ from loaders.lora import LoraAdapter
 from tpu_models import registry
 from tpu_models.stepper import Stepper
 from tests.test_gemma3 import run_steps
-from tests.tiny import Reference, make_gemma3, make_lora, make_qwen3
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    return make_qwen3(tmp_path_factory.mktemp("qwen3"), num_heads=4, num_kv_heads=2)
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    return make_gemma3(tmp_path_factory.mktemp("gemma3"))
+from tests.tiny import Reference, make_lora, make_qwen3
 
 
 def steps_for(vocab, seed=0):

@@ -11,7 +11,7 @@ from vllm.lora.request import LoRARequest
 
 from tpu_models.lora import AdapterError
 from tpu_models.stepper import Stepper
-from tests.tiny import Reference, make_gemma3, make_lora, make_qwen3
+from tests.tiny import Reference, make_lora
 
 # Different ranks, targets and scalings: every projection, rsLoRA, a rank-2 pair.
 ADAPTERS = {
@@ -19,16 +19,6 @@ ADAPTERS = {
     "rslora": dict(targets=("q_proj", "v_proj", "down_proj"), r=8, alpha=8, use_rslora=True, seed=2),
     "low": dict(targets=("k_proj", "o_proj", "gate_proj", "up_proj"), r=2, alpha=4, seed=3),
 }
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    return make_qwen3(tmp_path_factory.mktemp("qwen3"), num_heads=4, num_kv_heads=2)
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    return make_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
 def adapters_for(base, directory, specs=ADAPTERS):

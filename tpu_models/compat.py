@@ -565,7 +565,6 @@ def _adapters_checked_before_loading() -> None:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve import create_error_response
 
-    from tpu_models import registry
     from tpu_models.lora import AdapterError, read_adapter
 
     original = OpenAIServingModels._check_load_lora_adapter_request
@@ -574,26 +573,18 @@ def _adapters_checked_before_loading() -> None:
         refused = await original(self, request)
         if refused is not None:
             return refused
-        model_config = self.model_config
-        architecture = next((a for a in map(_registered, model_config.architectures or ())
-                             if a is not None), None)
-        lora_config = self.engine_client.vllm_config.lora_config
-        if architecture is None or lora_config is None:
+        vllm_config = self.engine_client.vllm_config
+        model_class = _our_flax_model(vllm_config)
+        if model_class is None or vllm_config.lora_config is None:
             return None
-        table, _ = architecture.hf_table(model_config.hf_text_config)
+        table = model_class.checkpoint_table(self.model_config.hf_text_config)
         try:
             read_adapter(request.lora_name, request.lora_path, base_table=table,
-                         max_rank=lora_config.max_lora_rank)
+                         max_rank=vllm_config.lora_config.max_lora_rank)
         except AdapterError as e:
             return create_error_response(message=str(e), err_type="BadRequestError",
                                          status_code=HTTPStatus.BAD_REQUEST)
         return None
-
-    def _registered(name):
-        try:
-            return registry.by_hf_name(name)
-        except ValueError:
-            return None
 
     OpenAIServingModels._check_load_lora_adapter_request = check
 

@@ -29,7 +29,7 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from vllm.config import VllmConfig
 
 from tpu_models import registry, runtime
-from tpu_models.lora import LoraBatch
+from tpu_models.lora import AdapterSlots, LoraBatch
 from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
 
@@ -228,12 +228,16 @@ class CausalLM(JaxModule, LoadableWithIterator):
             logits = cap * jnp.tanh(logits / cap)
         return runtime.mask_padded_vocab(logits, self.cfg.vocab_size)
 
-    def adapter_slots(self, mesh: Mesh):
+    @classmethod
+    def checkpoint_table(cls, hf_config) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape, of this architecture's checkpoints (its registry entry)."""
+        table, _ = registry.by_hf_name(cls.__name__).hf_table(hf_config)
+        return table
+
+    def adapter_slots(self, mesh: Mesh) -> AdapterSlots:
         """The engine's LoRA manager under --enable-lora (tpu_models.lora), checking
         adapters against this architecture's checkpoint table."""
-        from tpu_models.lora import AdapterSlots
-        hf = self.vllm_config.model_config.hf_text_config
-        table, _ = registry.by_hf_name(type(self).__name__).hf_table(hf)
+        table = self.checkpoint_table(self.vllm_config.model_config.hf_text_config)
         return AdapterSlots(self, self.vllm_config.lora_config, mesh, table, self.cfg.dtype)
 
     def load_weights(self, weights=None):
