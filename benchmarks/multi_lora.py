@@ -53,8 +53,9 @@ def random_adapters(base: Path, out: Path, count: int, rank: int) -> list[Path]:
     return paths
 
 
-def measure(name: str, args: list[str], models: list[str], prompts: dict, output_len: int,
-            work: Path) -> list[dict]:
+def measure(name: str, args: list[str], models: list[str], prompts: dict[int, list],
+            warmup: list, output_len: int, work: Path) -> list[dict]:
+    """One server: a row per concurrency (the keys of `prompts`)."""
     with Server(None, *SERVER_ARGS, *args, log=work / f"serve-{name}.log") as server:
 
         async def run(concurrency):
@@ -65,14 +66,14 @@ def measure(name: str, args: list[str], models: list[str], prompts: dict, output
                 return serving.one_request(client, models[next(turn) % len(models)], prompt,
                                            output_len)
 
-            await serving.run_load(send, prompts["warmup"], concurrency=len(models))
+            await serving.run_load(send, warmup, concurrency=len(models))
             results, duration = await serving.run_load(send, prompts[concurrency],
                                                        concurrency=concurrency)
             await client.close()
             return {"server": name, "concurrency": concurrency, "adapters": len(models),
                     **serving.metrics(results, duration)}
 
-        return [asyncio.run(run(c)) for c in prompts["concurrencies"]]
+        return [asyncio.run(run(c)) for c in prompts]
 
 
 def report(rows: list[dict]) -> None:
@@ -105,15 +106,14 @@ def main(argv=None) -> dict:
     # The same prompts for both servers; none repeats (the prefix cache would answer it).
     prompts = {c: serving.random_prompts(serving.default_num_prompts(c), args.input_len, vocab,
                                          [c, 2]) for c in concurrencies}
-    prompts |= {"concurrencies": concurrencies,
-                "warmup": serving.random_prompts(2 * args.adapters, args.input_len, vocab, [0, 1])}
+    warmup = serving.random_prompts(2 * args.adapters, args.input_len, vocab, [0, 1])
     names = [f"a{i}" for i in range(args.adapters)]
-    rows = measure("merged", ["--lora", str(adapters[0])], [DEFAULT_NAME], prompts,
+    rows = measure("merged", ["--lora", str(adapters[0])], [DEFAULT_NAME], prompts, warmup,
                    args.output_len, work)
     rows += measure("slots", ["--enable-lora", "--max-loras", str(args.adapters),
                               "--max-lora-rank", str(args.rank), "--lora-modules",
                               *[f"{n}={a}" for n, a in zip(names, adapters)]],
-                    names, prompts, args.output_len, work)
+                    names, prompts, warmup, args.output_len, work)
     merged = {r["concurrency"]: r["output_throughput"] for r in rows if r["server"] == "merged"}
     for r in rows:
         r["vs_merged"] = r["output_throughput"] / merged[r["concurrency"]]
