@@ -14,9 +14,13 @@ row's steps (this VM's bandwidth drifts by a third between minutes): a
 large-array reduction under XLA (read-bound, all cores) and numpy's
 single-threaded copy. A row's limit uses the mean of its two samples. The
 run also splits the step into attention (context 512 vs 1), sampling, and
-logits.
+logits. With `--lora NxR` the engine runs with N adapter slots of rank R
+(--enable-lora), and each row is timed again with the batch's requests spread
+round-robin over N random adapters of rank R on every projection: the
+per-token cost of adapters chosen per request (tpu_models.lora).
 
     python -m benchmarks.step [--shape gemma3-1b] [--batch 1,16] [--context 512] [--dtype bfloat16]
+                              [--lora 4x16]
 """
 
 import argparse
@@ -81,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
                    help="default: bfloat16 on TPU, float32 elsewhere (XLA:CPU has no fast bf16 dot)")
     p.add_argument("--layers", type=int, default=None, help="override (smoke tests)")
     p.add_argument("--vocab-size", type=int, default=None, help="override (smoke tests)")
+    p.add_argument("--lora", metavar="NxR", default=None,
+                   help="also time each step with N adapters of rank R in slots, e.g. 4x16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--bandwidth-mib", type=int, default=1024,
                    help="array size for the bandwidth measurement")
@@ -89,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def measure_row(stepper, batch: int, context: int, *, max_seqs: int, repeats: int, select,
-                read_bandwidth) -> dict:
+                read_bandwidth, adapters=()) -> dict:
     """One decode step of `batch` sequences over `context` cached tokens: its time, the
     host's read bandwidth right before and after, and the limit they set."""
     import jax.numpy as jnp
@@ -127,6 +133,19 @@ def measure_row(stepper, batch: int, context: int, *, max_seqs: int, repeats: in
            "limit_ms": (weight_bytes + kv_bytes) / (read_gb_s * 1e9) * 1e3,
            "logits_ms": logits_s * 1e3, "tokens_per_s": batch / seconds}
     row["efficiency"] = row["limit_ms"] / row["step_ms"]
+    if adapters:
+        chunks = {f"r{i}": [1] for i in range(batch)}
+        lora = stepper.lora_batch(chunks, {r: adapters[i % len(adapters)]
+                                           for i, r in enumerate(chunks)}, len(md_step[0]))
+        with_lora = md_step[:5] + (lora, ) + md_step[6:]
+
+        def lora_step():
+            stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches,
+                                                         *with_lora)
+            fns.compute_logits_fn(fns.state_leaves, select(hidden, logit_rows)).block_until_ready()
+
+        row["lora_step_ms"] = timed(lora_step, repeats) * 1e3
+        row["lora_vs_off"] = row["step_ms"] / row["lora_step_ms"]
     return row
 
 
@@ -143,9 +162,19 @@ def measure(args) -> dict:
     model_dir = make_model_dir(config, Path(tempfile.mkdtemp(prefix="bench-step-")))
     page = 128
     batches = [int(b) for b in args.batch.split(",")]
+    lora_args, adapters = {}, []
+    if args.lora:
+        slots, rank = (int(n) for n in args.lora.split("x"))
+        lora_args = dict(enable_lora=True, max_loras=slots, max_lora_rank=rank)
     stepper = Stepper(model_dir, dtype=dtype, page_size=page,
                       pages_per_seq=-(-(args.context + 8) // page), max_seqs=max(batches),
-                      load_format="dummy")
+                      load_format="dummy", **lora_args)
+    if args.lora:
+        from vllm.lora.request import LoRARequest
+
+        from benchmarks.multi_lora import random_adapters
+        adapters = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in
+                    enumerate(random_adapters(model_dir, model_dir / "adapters", slots, rank))]
     weight_bytes = sum(x.nbytes for x in stepper.interface.state_leaves)
     # As the runner: the rows that get logits are picked inside a jitted function.
     select = jax.jit(lambda hidden, rows: hidden[rows])
@@ -156,7 +185,7 @@ def measure(args) -> dict:
         return max(samples[-1]["xla_read_gb_s"], samples[-1]["numpy_copy_gb_s"] / 2)
 
     rows = [measure_row(stepper, batch, context, max_seqs=max(batches), repeats=args.repeats,
-                        select=select, read_bandwidth=read_bandwidth)
+                        select=select, read_bandwidth=read_bandwidth, adapters=adapters)
             for batch in batches for context in (args.context, 1)]
     # Greedy sampling's cost at the largest batch: an argmax over the vocabulary.
     logits = jnp.zeros((max(batches), config["vocab_size"]), jnp.float32)
@@ -164,7 +193,7 @@ def measure(args) -> dict:
     greedy_ms = timed(lambda: argmax(logits).block_until_ready(), args.repeats) * 1e3
     return {"benchmark": "decode_step", "shape": args.shape,
             "device": str(jax.devices()[0].device_kind),
-            "dtype": dtype, "layers": config["num_hidden_layers"],
+            "dtype": dtype, "layers": config["num_hidden_layers"], "lora": args.lora,
             "params_m": weight_bytes / (2 if dtype == "bfloat16" else 4) / 1e6,
             "bandwidth_samples": samples, "greedy_sample_ms": greedy_ms, "rows": rows}
 
@@ -177,16 +206,22 @@ def report(result: dict, out: Path) -> None:
     rows = result["rows"]
     table = Table(title=f"decode step, {result['shape']}: {result['params_m']:.0f}M params "
                         f"{result['dtype']}")
-    for column in ("batch", "context", "step ms", "of which logits", "read GB/s before/after",
-                   "limit ms", "% of limit", "tok/s", "KV MB"):
+    lora = result.get("lora")
+    columns = ["batch", "context", "step ms", "of which logits", "read GB/s before/after",
+               "limit ms", "% of limit", "tok/s", "KV MB"]
+    if lora:
+        columns += [f"step ms, {lora} LoRA", "off / LoRA"]
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(str(r["batch"]), str(r["context"]), f"{r['step_ms']:.1f}",
-                      f"{r['logits_ms']:.1f}",
-                      f"{r['read_gb_s_before']:.1f} / {r['read_gb_s_after']:.1f}",
-                      f"{r['limit_ms']:.1f}", f"{r['efficiency']:.0%}",
-                      f"{r['tokens_per_s']:.1f}", f"{r['kv_read_mb']:.1f}")
-    Console(width=120).print(table)
+        cells = [str(r["batch"]), str(r["context"]), f"{r['step_ms']:.1f}",
+                 f"{r['logits_ms']:.1f}", f"{r['read_gb_s_before']:.1f} / {r['read_gb_s_after']:.1f}",
+                 f"{r['limit_ms']:.1f}", f"{r['efficiency']:.0%}",
+                 f"{r['tokens_per_s']:.1f}", f"{r['kv_read_mb']:.1f}"]
+        if lora:
+            cells += [f"{r['lora_step_ms']:.1f}", f"{r['lora_vs_off']:.2f}"]
+        table.add_row(*cells)
+    Console(width=150).print(table)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "bandwidth_samples")} |
                      {"efficiency": {f"b{r['batch']}c{r['context']}": r["efficiency"] for r in rows}}))

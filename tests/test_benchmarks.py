@@ -76,10 +76,12 @@ def test_bench_compare_smoke(tmp_path, monkeypatch):
 def test_bench_step_smoke(tmp_path):
     out = tmp_path / "step.json"
     cli.main(["bench", "step", "--layers", "1", "--vocab-size", "1024", "--batch", "1,2",
-              "--context", "32", "--repeats", "1", "--bandwidth-mib", "128", "--out", str(out)])
+              "--context", "32", "--repeats", "1", "--bandwidth-mib", "128", "--lora", "2x8",
+              "--out", str(out)])
     result = json.loads(out.read_text())
     assert {(r["batch"], r["context"]) for r in result["rows"]} == {(1, 32), (1, 1), (2, 32), (2, 1)}
     for row in result["rows"]:
         assert row["step_ms"] > 0 and 0 < row["efficiency"] and row["limit_ms"] > 0
+        assert row["lora_step_ms"] > 0  # the same step with 2 adapters in slots
         assert row["read_gb_s_before"] > 0 and row["read_gb_s_after"] > 0
     assert len(result["bandwidth_samples"]) == 2 * len(result["rows"])  # before and after each

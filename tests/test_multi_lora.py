@@ -316,12 +316,12 @@ def test_adapters_shard_like_their_base_weights(tmp_path):
             want = references[name].logits(results["prompts"][name])[-1]
             np.testing.assert_allclose(logits[:383], want, atol=1e-4, rtol=0, err_msg=f"TP={tp} {name}")
     specs, base_specs = results["4"]["shardings"], results["4"]["base_shardings"]
-    # A takes the kernel's input axes, B its output axes (slots and rank unsplit).
+    # A [*in, S, R] takes the kernel's input axes, B [S, R, *out] its output axes.
     m = "model"
     assert base_specs["q_proj"] == [None, m, None] and base_specs["o_proj"] == [m, None, None]
     assert specs["a:q_proj"] == [None, None, None] and specs["b:q_proj"] == [None, None, m, None]
-    assert specs["a:o_proj"] == [None, m, None, None] and specs["b:o_proj"] == [None, None, None]
-    assert specs["b:up_proj"] == [None, None, m] and specs["a:down_proj"] == [None, m, None]
+    assert specs["a:o_proj"] == [m, None, None, None] and specs["b:o_proj"] == [None, None, None]
+    assert specs["b:up_proj"] == [None, None, m] and specs["a:down_proj"] == [m, None, None]
     # one KV head over 4 devices: K/V replicated, their adapters too
     assert base_specs["k_proj"] == [None, None, None] and specs["b:k_proj"] == [None, None, None, None]
 

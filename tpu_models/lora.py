@@ -50,7 +50,10 @@ def _axes(einsum_str: str) -> tuple[str, str]:
 class LoraBatch:
     """One step's adapters: the slot buffers and each token's slot."""
     slots: jax.Array  # [T] int32; -1: the base model
-    a: dict[str, jax.Array]  # projection prefix -> [S, *in, R]
+    # Both contract their leading axes, as a plain matrix product: with A as
+    # [S, *in, R] (contracting its middle axes) XLA:CPU added 26 ms to a stack of
+    # 112 width-1024 projections at one token, against 6 ms this way.
+    a: dict[str, jax.Array]  # projection prefix -> [*in, S, R]
     b: dict[str, jax.Array]  # projection prefix -> [S, R, *out], scale folded in
 
     def add(self, proj: JaxEinsum, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -58,8 +61,8 @@ class LoraBatch:
         if a is None:
             return y
         ins, outs = _axes(proj.einsum_str)
-        pick = jax.nn.one_hot(self.slots, a.shape[0], dtype=a.dtype)  # [T, S]
-        xa = jnp.einsum(f"t{ins},s{ins}r->tsr", x.astype(a.dtype), a)  # [T, S, R]
+        pick = jax.nn.one_hot(self.slots, a.shape[-2], dtype=a.dtype)  # [T, S]
+        xa = jnp.einsum(f"t{ins},{ins}sr->tsr", x.astype(a.dtype), a)  # [T, S, R]
         delta = jnp.einsum(f"tsr,sr{outs}->t{outs}", xa * pick[:, :, None],
                            self.b[proj.prefix])  # [T, *out]
         return y + delta.astype(y.dtype)
@@ -140,7 +143,7 @@ class AdapterSlots:
         self.host_capacity = max(lora_config.max_cpu_loras or 0, self.num_slots)
         self.mesh = mesh
         S, R = self.num_slots, self.max_rank
-        self.a = {p: self._zeros((S, *t.ins, R), (None, *t.in_axes, None), dtype)
+        self.a = {p: self._zeros((*t.ins, S, R), (*t.in_axes, None, None), dtype)
                   for p, t in self.targets.items()}
         self.b = {p: self._zeros((S, R, *t.outs), (None, None, *t.out_axes), dtype)
                   for p, t in self.targets.items()}
@@ -248,11 +251,11 @@ class AdapterSlots:
             slot = self.slot_of.pop(victim)
         # Every projection is written (zeros where the adapter has none), so the
         # write compiles once whatever an adapter targets.
-        weights = self.host[lora_id]
-        a = {p: np.asarray(weights[p][0] if p in weights else np.zeros(buf.shape[1:]), buf.dtype)
-             for p, buf in self.a.items()}
-        b = {p: np.asarray(weights[p][1] if p in weights else np.zeros(buf.shape[1:]), buf.dtype)
-             for p, buf in self.b.items()}
+        weights, R = self.host[lora_id], self.max_rank
+        a = {p: np.asarray(weights[p][0] if p in weights else np.zeros((*t.ins, R)), self.a[p].dtype)
+             for p, t in self.targets.items()}
+        b = {p: np.asarray(weights[p][1] if p in weights else np.zeros((R, *t.outs)), self.b[p].dtype)
+             for p, t in self.targets.items()}
         self.a, self.b = self._write(self.a, self.b, a, b, np.int32(slot))
         self.slot_of[lora_id] = slot
         return slot
@@ -278,7 +281,7 @@ class AdapterSlots:
 
 
 def _write_slot(a, b, new_a, new_b, slot):
-    """The buffers with `slot` holding the new adapter."""
-    def put(buffers, new):
-        return {p: buf.at[slot].set(new[p]) for p, buf in buffers.items()}
-    return put(a, new_a), put(b, new_b)
+    """The buffers with `slot` holding the new adapter (A's slot axis is its
+    second last, B's its first)."""
+    return ({p: buf.at[..., slot, :].set(new_a[p]) for p, buf in a.items()},
+            {p: buf.at[slot].set(new_b[p]) for p, buf in b.items()})
