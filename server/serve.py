@@ -29,6 +29,8 @@ SPECULATIVE = {
 }
 # Tokens per engine step off-TPU (vLLM's --max-num-batched-tokens, TPU default 2048).
 CPU_BATCHED_TOKENS = 256
+# Sequences per engine step off-TPU (vLLM's --max-num-seqs, default 256).
+CPU_MAX_SEQS = 64
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,6 +80,11 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         # forward passes), and a CPU gains nothing from larger chunks: a 0.6B
         # prefill costs 13-15 ms a token in steps of 128, 256 or 512 tokens.
         vllm_args += ["--max-num-batched-tokens", str(CPU_BATCHED_TOKENS)]
+    if platform is not None and not _given(vllm_args, "--max-num-seqs"):
+        # Start-up compiles the sampler and its helpers at every request bucket
+        # up to this count (8, 16, ... 256 by default, the largest the slowest);
+        # a CPU host is saturated long before 64 sequences a step.
+        vllm_args += ["--max-num-seqs", str(CPU_MAX_SEQS)]
     if model is None:
         model = str(DEFAULT_MODEL)
         if not _given(vllm_args, "--served-model-name"):
