@@ -153,6 +153,10 @@ def ragged_paged_attention(
     """Returns (out [T, N, H] in q.dtype, updated kv_cache)."""
     num_tokens = q.shape[0]
     max_seqs = seq_lens.shape[0]
+    # A step of few tokens (speculative verification, a draft's first pass, a
+    # short prompt) has no request of q_block queries: smaller blocks skip the
+    # padding rows (4 queries: 0.47 -> 0.18 ms a layer on the demo's shapes).
+    q_block = min(q_block, 1 << (num_tokens - 1).bit_length())
     block_tables = block_tables.reshape(max_seqs, block_tables.shape[0] // max_seqs)
     cu_q_lens = cu_q_lens[:max_seqs + 1]
     live = jnp.arange(max_seqs) < num_seqs
