@@ -8,10 +8,10 @@ trained on), as tpu-inference's Eagle3 Llama draft will run it:
     layers AUX_LAYERS at t, from transformers), token x_{t+1}:
       r = h + attn([norm(embed(x_{t+1})), norm(h)])     (causal over positions)
       r = r + mlp(norm(r));  logits = lm_head(norm(r))  -> x_{t+2}
-  step 2, at position t+1: h = r_t (step 1's pre-norm output), token x_{t+2},
-    attending to step 1's keys before t+1 and to its own -> x_{t+3}
-    (training-time test: the draft sees its own hidden states, as when it
-    drafts a second token).
+  step s = 2..DRAFT_STEPS, at position t+s-1: h = step s-1's pre-norm output r,
+    token x_{t+s}, attending to step 1's keys up to t and to its own chain's
+    keys of steps 2..s -> x_{t+s+1} (training-time test: the draft sees its
+    own hidden states, as when it drafts its 2nd, 3rd... token).
 
 The embedding is the target's (the engine lends it to the draft). The loss
 counts the answer tokens only: the draft runs while the model answers.
@@ -43,6 +43,7 @@ ROOT = Path(__file__).parents[1]
 TARGET = ROOT / "server" / "default_model"
 AUX_LAYERS = (1, 2, 3)  # inputs of these layers of the 4-layer demo (vLLM's default repeats one)
 EXAMPLES = 2000  # of the demo's training set: their hidden states are kept in memory
+DRAFT_STEPS = 4  # draft positions trained (training-time test): tokens a step can propose
 
 
 def target_features(examples):
@@ -125,30 +126,41 @@ def loss_fn(p, config, embedding, ids, aux, mask):
     B, T = ids.shape
     scale = 1.0 / math.sqrt(config["head_dim"])
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.float32), (B, T))
-    # Step 1: position t reads (fc(aux_t), x_{t+1}) and predicts x_{t+2}.
+    # Step 1, at every position t: reads (fc(aux_t), x_{t+1}) and predicts x_{t+2}.
     hidden = aux[:, :T - 1] @ p["fc.weight"].T
-    q, k, v, residual = layer_inputs(p, config, embedding[ids[:, 1:]], hidden, positions[:, :-1])
+    q, k1, v1, residual = layer_inputs(p, config, embedding[ids[:, 1:]], hidden, positions[:, :-1])
     causal = jnp.tril(jnp.ones((T - 1, T - 1), bool))
-    scores = jnp.where(causal, jnp.einsum("bqnh,bknh->bnqk", q, k) * scale, -1e30)
-    attn = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(scores, -1), v)
-    logits1, r1 = layer_output(p, config, attn, residual)
-    nll1 = optax.softmax_cross_entropy_with_integer_labels(logits1[:, :T - 2], ids[:, 2:])
-    # Step 2: position t+1 reads (r1_t, x_{t+2}) and predicts x_{t+3}; its keys are
-    # step 1's before t+1 (drafted from the target's states) and its own.
-    q2, k2, v2, residual2 = layer_inputs(p, config, embedding[ids[:, 2:]], r1[:, :T - 2],
-                                         positions[:, 1:-1])
-    before = jnp.tril(jnp.ones((T - 2, T - 1), bool))  # query t+1 sees step-1 keys 0..t
-    prev = jnp.where(before, jnp.einsum("bqnh,bknh->bnqk", q2, k) * scale, -1e30)
-    own = jnp.einsum("bqnh,bqnh->bnq", q2, k2)[..., None] * scale
-    weights = jax.nn.softmax(jnp.concatenate([prev, own], -1), -1)
-    attn2 = (jnp.einsum("bnqk,bknh->bqnh", weights[..., :-1], v)
-             + weights[..., -1].transpose(0, 2, 1)[..., None] * v2)
-    logits2, _ = layer_output(p, config, attn2, residual2)
-    nll2 = optax.softmax_cross_entropy_with_integer_labels(logits2[:, :T - 3], ids[:, 3:])
-    m1, m2 = mask[:, :T - 2], mask[:, 1:T - 2]
-    loss1, loss2 = (nll1 * m1).sum() / m1.sum(), (nll2 * m2).sum() / m2.sum()
-    acc1 = ((logits1[:, :T - 2].argmax(-1) == ids[:, 2:]) * m1).sum() / m1.sum()
-    return loss1 + 0.7 * loss2, (loss1, loss2, acc1)
+    scores = jnp.where(causal, jnp.einsum("bqnh,bknh->bnqk", q, k1) * scale, -1e30)
+    attn = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(scores, -1), v1)
+    logits, r = layer_output(p, config, attn, residual)
+    chains = T - 1 - DRAFT_STEPS  # starts t whose every step has a label
+
+    def masked_nll(logits, step):
+        labels, m = ids[:, step + 1:step + 1 + chains], mask[:, step - 1:step - 1 + chains]
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits[:, :chains], labels)
+        return (nll * m).sum() / m.sum(), ((logits[:, :chains].argmax(-1) == labels) * m).sum() / m.sum()
+
+    loss, acc1 = masked_nll(logits, 1)
+    losses = [loss]
+    # Step s of chain t, at position t+s-1: reads (its step s-1 output r, x_{t+s}) and
+    # predicts x_{t+s+1}; it sees step 1's keys up to t (drafted from the target's
+    # states) and its own chain's keys of steps 2..s, as the engine's draft loop.
+    before = jnp.tril(jnp.ones((chains, T - 1), bool))
+    own_k, own_v = [], []
+    for step in range(2, DRAFT_STEPS + 1):
+        q, k, v, residual = layer_inputs(p, config, embedding[ids[:, step:step + chains]],
+                                         r[:, :chains], positions[:, step - 1:step - 1 + chains])
+        own_k.append(k)
+        own_v.append(v)
+        prev = jnp.where(before, jnp.einsum("bqnh,bknh->bnqk", q, k1) * scale, -1e30)
+        own = jnp.stack([jnp.einsum("bqnh,bqnh->bnq", q, kj) for kj in own_k], -1) * scale
+        weights = jax.nn.softmax(jnp.concatenate([prev, own], -1), -1)  # [B, N, chains, T-1+s-1]
+        attn = (jnp.einsum("bnqk,bknh->bqnh", weights[..., :T - 1], v1)
+                + jnp.einsum("bnqj,bqnjh->bqnh", weights[..., T - 1:], jnp.stack(own_v, 3)))
+        logits, r = layer_output(p, config, attn, residual)
+        losses.append(masked_nll(logits, step)[0])
+    total = sum(0.7**i * loss for i, loss in enumerate(losses))
+    return total, (losses[0], losses[-1], acc1)
 
 
 def train(config, ids, aux, embedding, mask, steps, batch, seed=0):
@@ -171,7 +183,7 @@ def train(config, ids, aux, embedding, mask, steps, batch, seed=0):
         rows = rng.integers(0, len(ids), batch)
         params, state, (l1, l2, acc) = step(params, state, ids[rows], aux[rows], mask[rows])
         if i % 100 == 0 or i == steps - 1:
-            print(f"step {i:5d}  loss x+2 {float(l1):.3f}  x+3 {float(l2):.3f}  "
+            print(f"step {i:5d}  loss x+2 {float(l1):.3f}  x+{DRAFT_STEPS + 1} {float(l2):.3f}  "
                   f"top-1 x+2 {float(acc):.1%}  {time.time() - start:5.0f}s", flush=True)
     return params
 

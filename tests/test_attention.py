@@ -89,6 +89,8 @@ CASES = {
     "prefill_only": [(0, 37), (0, 5)],
     "mixed": [(30, 1), (9, 1), (0, 70), (40, 23), (3, 2)],
     "long_context_few_queries": [(250, 1), (200, 12)],
+    # 8 token rows, under q_block: speculative verification's step shape
+    "few_tokens": [(21, 1), (40, 2)],
 }
 
 
@@ -96,7 +98,7 @@ CASES = {
 # shapes where they bite (long contexts, chunked prefill).
 VARIANTS = [(case, None, None) for case in sorted(CASES)] + [
     ("mixed", 16, None), ("mixed", None, 30.0), ("mixed", 7, 5.0),
-    ("long_context_few_queries", 16, None), ("decode_only", 7, 5.0)]
+    ("long_context_few_queries", 16, None), ("decode_only", 7, 5.0), ("few_tokens", 16, None)]
 
 
 @pytest.mark.parametrize("case,window,soft_cap", VARIANTS,

@@ -100,6 +100,33 @@ def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
         assert ids == want, f"prompt of {len(prompt)} tokens"
 
 
+def test_the_eagle3_draft_computes_in_the_served_dtype():
+    """tpu-inference 0.32.0 builds its EAGLE-3 draft computing in bfloat16 whatever
+    --dtype says: served in float32, the draft's matmuls ran in bfloat16, which
+    XLA:CPU runs about 12x slower (compat._drafts_in_the_served_dtype)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from server.serve import DEFAULT_MODEL
+    from tpu_models.stepper import load_plugins
+
+    load_plugins()
+    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
+                        speculative_config=SPECULATIVE["eagle3"]).create_engine_config()
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with jax.set_mesh(mesh):
+        draft = EagleLlama3ForCausalLM(config, jax.random.PRNGKey(0), mesh)
+    computing = {"/".join(map(str, path)): node.dtype for path, node in nnx.iter_graph(draft)
+                 if isinstance(node, nnx.Module) and getattr(node, "dtype", None) is not None}
+    assert len(computing) >= 5, computing  # the embedding, norms and attention projections
+    assert set(computing.values()) == {jnp.dtype(jnp.float32)}, computing
+
+
 def test_speculative_presets_map_onto_speculative_config(tmp_path):
     from server.serve import EAGLE3_DRAFT, SPECULATIVE, build_command
 
