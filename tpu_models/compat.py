@@ -33,8 +33,7 @@ that give wrong results.
 Serving features (`install`, every platform): what tpu-inference's flax_nnx
 path lacks for our models: a hybrid KV cache for sliding-window layers, guided
 decoding beside speculative decoding, EAGLE-3 drafts under their published name
-and in the served dtype,
-per-request LoRA adapters (--enable-lora).
+and in the served dtype, per-request LoRA adapters (--enable-lora).
 
 tpu-inference's only extension points here are for models and attention
 (register_model, register_attention_backend, used by tpu_models.plugin);
