@@ -107,7 +107,8 @@ def measure_row(stepper, batch: int, context: int, *, max_seqs: int, repeats: in
     # Fill the cache with `context` tokens per sequence (one prefill step).
     stepper.reset()
     stepper.step({f"r{i}": [1] * context for i in range(batch)})
-    md_step = stepper.prepare({f"r{i}": [1] for i in range(batch)})
+    chunks = {f"r{i}": [1] for i in range(batch)}  # one decode token each
+    md_step = stepper.prepare(chunks)
     # As the runner: logits for each request's last row, padded to its request bucket.
     logit_rows = jnp.minimum(
         jnp.arange(get_padded_num_reqs_with_upper_limit(batch, max_seqs)), batch - 1)
@@ -134,10 +135,8 @@ def measure_row(stepper, batch: int, context: int, *, max_seqs: int, repeats: in
            "logits_ms": logits_s * 1e3, "tokens_per_s": batch / seconds}
     row["efficiency"] = row["limit_ms"] / row["step_ms"]
     if adapters:
-        chunks = {f"r{i}": [1] for i in range(batch)}
-        lora = stepper.lora_batch(chunks, {r: adapters[i % len(adapters)]
-                                           for i, r in enumerate(chunks)}, len(md_step[0]))
-        with_lora = md_step[:5] + (lora, ) + md_step[6:]
+        with_lora = stepper.with_adapters(md_step, chunks, {r: adapters[i % len(adapters)]
+                                                            for i, r in enumerate(chunks)})
 
         def lora_step():
             stepper.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, stepper.kv_caches,

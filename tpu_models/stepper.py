@@ -76,7 +76,7 @@ class Stepper:
         fns = self.interface
         args = self.prepare(chunks)
         if self.lora is not None:
-            args = args[:5] + (self.lora_batch(chunks, adapters or {}, len(args[0])), ) + args[6:]
+            args = self.with_adapters(args, chunks, adapters or {})
         with jax.set_mesh(self.mesh):  # as the runner: quantized matmuls shard by it
             self.kv_caches, hidden, *_ = fns.model_fn(fns.state_leaves, self.kv_caches, *args)
             logits = np.asarray(fns.compute_logits_fn(fns.state_leaves, hidden), np.float32)
@@ -86,17 +86,17 @@ class Stepper:
             row += len(tokens)
         return out
 
-    def lora_batch(self, chunks: dict[str, list[int]], adapters: dict, num_tokens: int):
-        """The step's adapters in their slots; padding rows take the last request's,
-        as the runner's."""
+    def with_adapters(self, args: tuple, chunks: dict[str, list[int]], adapters: dict) -> tuple:
+        """`prepare`'s arguments for `chunks`, with the step's adapters in their slots
+        as the model's LoRA argument; padding rows take the last request's, as the runner's."""
         from types import SimpleNamespace
         ids = []
         for name, tokens in chunks.items():
             ids += [adapters[name].lora_int_id if name in adapters else 0] * len(tokens)
-        ids += ids[-1:] * (num_tokens - len(ids))
+        ids += ids[-1:] * (len(args[0]) - len(ids))
         wanted = list(dict.fromkeys(adapters[name] for name in chunks if name in adapters))
         self.lora.set_active_adapters(wanted, SimpleNamespace(index_mapping=ids))
-        return self.lora.batch()
+        return args[:5] + (self.lora.batch(), ) + args[6:]  # CausalLM.__call__'s `lora`
 
     def prepare(self, chunks: dict[str, list[int]]) -> tuple:
         """The step function's arguments after the KV caches, for this batch; appends
