@@ -16,7 +16,6 @@ vary between machines.
 
 import contextlib
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -76,19 +75,8 @@ def serve_side_by_side(models: dict[str, Path], concurrencies, *, rounds, input_
                         num_prompts=num_prompts or serving.default_num_prompts(concurrency),
                         concurrencies=[concurrency], avoid_tokens={0, 1}, seed=r)
         startup = {label: server.startup_seconds for label, server in servers.items()}
-    return {label: [_median_row([row for row in rows if row["concurrency"] == c])
+    return {label: [serving.median_row([row for row in rows if row["concurrency"] == c])
                     for c in concurrencies] for label, rows in runs.items()}, startup
-
-
-def _median_row(rows: list[dict]) -> dict:
-    """Each numeric metric's median over the runs; failures summed, runs kept."""
-    out = {key: statistics.median(row[key] for row in rows) for key, value in rows[0].items()
-           if isinstance(value, float)}
-    out.update(concurrency=rows[0]["concurrency"], num_prompts=rows[0]["num_prompts"],
-               failed=sum(row["failed"] for row in rows),
-               completed=sum(row["completed"] for row in rows),
-               runs_output_throughput=[row["output_throughput"] for row in rows])
-    return out
 
 
 def transformers_generate(model: Path, concurrencies, *, input_len, output_len, rounds,

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -238,6 +239,19 @@ def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_
         return rows
 
     return asyncio.run(main())
+
+
+def median_row(rows: list[dict]) -> dict:
+    """One row for several runs of the same load: each float metric's median,
+    failures and completions summed, other fields from the first run, and every
+    run's output throughput."""
+    out = {key: value for key, value in rows[0].items() if not isinstance(value, float)}
+    out.update({key: statistics.median(row[key] for row in rows) for key, value in rows[0].items()
+                if isinstance(value, float)})
+    out.update(failed=sum(row["failed"] for row in rows),
+               completed=sum(row["completed"] for row in rows),
+               runs_output_throughput=[row["output_throughput"] for row in rows])
+    return out
 
 
 def bench_client(base_url: str, api_key: str = "unused"):

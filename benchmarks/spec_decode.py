@@ -1,22 +1,28 @@
 """Speculative decoding on the demo model: off, n-gram lookup and EAGLE-3, side by side.
 
     tpu-models bench spec [--methods off,ngram,eagle3] [--concurrency 1,4]
-                          [--requests 48] [--out FILE]
+                          [--requests 48] [--rounds 3] [--out FILE]
 
-Each method gets its own `tpu-models serve` of the embedded demo model (one at
-a time, same options), driven with held-out demo requests (JSON extraction
-whose values training never showed: benchmarks/demo_data.held_out), greedy, as
-streamed chat completions at each concurrency. Reported per run: output tok/s
-and median TPOT (vLLM bench serve's definitions, benchmarks/serving.py), the
-draft acceptance rate and mean acceptance length from the server's own
-vllm:spec_decode_* counters, and output tok/s against `off` in the same run.
-Every method must also answer every request with the same text as `off`
-(greedy speculative decoding is lossless); a difference is reported.
+Each method gets its own `tpu-models serve` of the embedded demo model (same
+options); all serve at once, and the benchmark alternates between them,
+`rounds` runs each per concurrency, the order rotating every round: this small
+shared host drifts by 15-25% between minutes, which one method after the other
+read as a speed-up or a loss. Each run sends held-out demo requests (JSON
+extraction whose values training never showed: benchmarks/demo_data.held_out),
+greedy, as streamed chat completions. Reported per method and concurrency:
+output tok/s and median TPOT (vLLM bench serve's definitions,
+benchmarks/serving.py), medians over the runs; the draft acceptance rate and
+mean acceptance length from the server's own vllm:spec_decode_* counters; and
+output tok/s against `off`, the median of each round's ratio. Every method must
+also answer every request with the same text as `off` (greedy speculative
+decoding is lossless); the worst round's count of equal answers is reported.
 """
 
 import argparse
 import asyncio
+import contextlib
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -28,31 +34,60 @@ from server.serve import DEFAULT_NAME
 MAX_TOKENS = 64
 
 
-def measure(method: str, examples: list[dict], warmup: list[dict], concurrencies: list[int],
-            work: Path) -> list[tuple[dict, list[str]]]:
-    args = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20)]
-    if method != "off":
-        args += ["--speculative", method]  # tpu-models serve's presets
-    with Server(None, *args, log=work / f"serve-{method}.log") as server:
+def run_once(server: Server, method: str, examples: list[dict], warmup: list[dict] | None,
+             concurrency: int) -> tuple[dict, list[str]]:
+    """One run of all examples at `concurrency` (after warm-up requests, if given)."""
 
-        async def run(concurrency):
-            client = serving.bench_client(server.url, server.api_key or "unused")
+    async def run():
+        client = serving.bench_client(server.url, server.api_key or "unused")
 
-            def send(example):
-                messages = [{"role": "user", "content": example["request"]}]
-                return serving.one_chat_request(client, DEFAULT_NAME, messages, MAX_TOKENS)
+        def send(example):
+            messages = [{"role": "user", "content": example["request"]}]
+            return serving.one_chat_request(client, DEFAULT_NAME, messages, MAX_TOKENS)
 
+        if warmup:
             await serving.run_load(send, warmup, concurrency=concurrency)
-            before = serving.server_counters(server.url, serving.SPEC_COUNTERS)
-            results, duration = await serving.run_load(send, examples, concurrency=concurrency)
-            after = serving.server_counters(server.url, serving.SPEC_COUNTERS)
-            await client.close()
-            return ({"method": method, "concurrency": concurrency, "requests": len(examples),
-                     **serving.metrics(results, duration),
-                     **serving.spec_decode_metrics(before, after)},
-                    [r.text for r in results])
+        before = serving.server_counters(server.url, serving.SPEC_COUNTERS)
+        results, duration = await serving.run_load(send, examples, concurrency=concurrency)
+        after = serving.server_counters(server.url, serving.SPEC_COUNTERS)
+        await client.close()
+        return ({"method": method, "concurrency": concurrency, "requests": len(examples),
+                 **serving.metrics(results, duration),
+                 **serving.spec_decode_metrics(before, after)},
+                [r.text for r in results])
 
-        return [asyncio.run(run(c)) for c in concurrencies]
+    return asyncio.run(run())
+
+
+def measure(methods: list[str], examples: list[dict], warmup: list[dict],
+            concurrencies: list[int], rounds: int, work: Path) -> list[dict]:
+    """One row per method and concurrency (methods[0] is the baseline)."""
+    args = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20)]
+    rows = []
+    with contextlib.ExitStack() as stack:
+        servers = {method: stack.enter_context(Server(
+            None, *args, *(["--speculative", method] if method != "off" else []),
+            log=work / f"serve-{method}.log")) for method in methods}
+        for concurrency in concurrencies:
+            runs = {method: [] for method in methods}  # [(row, texts)] per round
+            for r in range(rounds):
+                order = methods[r % len(methods):] + methods[:r % len(methods)]
+                for method in order:
+                    runs[method].append(run_once(servers[method], method, examples,
+                                                 warmup if r == 0 else None, concurrency))
+            base = runs[methods[0]]
+            for method in methods:
+                row = serving.median_row([run for run, _ in runs[method]])
+                row["speedup"] = statistics.median(
+                    run["output_throughput"] / off["output_throughput"]
+                    for (run, _), (off, _) in zip(runs[method], base))
+                row["same_text_as_off"] = min(
+                    sum(a == b for a, b in zip(texts, off_texts))
+                    for (_, texts), (_, off_texts) in zip(runs[method], base))
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("method", "concurrency", "output_throughput",
+                                                       "median_tpot_ms", "speedup")}), flush=True)
+    return rows
 
 
 def report(rows: list[dict]) -> None:
@@ -64,7 +99,8 @@ def report(rows: list[dict]) -> None:
                    "accepted", "accept len", "same text as off"):
         table.add_column(header, justify="right")
     for r in rows:
-        table.add_row(r["method"], str(r["concurrency"]), str(r["completed"]),
+        runs = len(r["runs_output_throughput"])
+        table.add_row(r["method"], str(r["concurrency"]), f"{r['completed']}/{r['requests'] * runs}",
                       f"{r['output_throughput']:.1f}", f"{r['speedup']:.2f}x",
                       f"{r['median_tpot_ms']:.2f}",
                       f"{r['draft_acceptance_rate']:.0%}" if "draft_acceptance_rate" in r else "-",
@@ -78,6 +114,7 @@ def main(argv=None) -> dict:
     p.add_argument("--methods", default="off,ngram,eagle3")
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3, help="alternated runs per method and concurrency")
     p.add_argument("--out", default="bench-spec.json")
     args = p.parse_args(argv)
     # "off" first: the baseline every ratio and text is compared against.
@@ -86,19 +123,10 @@ def main(argv=None) -> dict:
     examples = held_out(args.requests + 8, novel=True)
     examples, warmup = examples[:args.requests], examples[args.requests:]
     work = Path(tempfile.mkdtemp(prefix="tpu-models-spec-"))
-    rows, baseline, texts = [], {}, {}
-    for method in methods:
-        for row, answers in measure(method, examples, warmup, concurrencies, work):
-            if method == "off":
-                baseline[row["concurrency"]] = row["output_throughput"]
-                texts[row["concurrency"]] = answers
-            row["speedup"] = row["output_throughput"] / baseline[row["concurrency"]]
-            row["same_text_as_off"] = sum(a == b for a, b in zip(answers, texts[row["concurrency"]]))
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("method", "concurrency", "output_throughput",
-                                                   "median_tpot_ms", "speedup")}), flush=True)
+    rows = measure(methods, examples, warmup, concurrencies, args.rounds, work)
     report(rows)
-    document = {"benchmark": "spec", "max_tokens": MAX_TOKENS, "logs": str(work), "rows": rows}
+    document = {"benchmark": "spec", "max_tokens": MAX_TOKENS, "rounds": args.rounds,
+                "logs": str(work), "rows": rows}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     return document
 
