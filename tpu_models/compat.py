@@ -261,11 +261,8 @@ def _no_tpu_compiler_options() -> None:
     _rebind(sampling.__name__, "sample",
             jax.jit(sampling.sample.__wrapped__,
                     static_argnames=["mesh", "allow_distributed_sampling"]))
-    # So did the EAGLE-3 proposer's draft loop, with literal options.
-    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
-    Eagle3Proposer._propose = jax.jit(Eagle3Proposer._propose.__wrapped__,
-                                      donate_argnames=("kv_caches", ),
-                                      out_shardings=(None, None), static_argnums=(0, 7, 8))
+    # So did the EAGLE-3 proposer's draft loop, with literal options: its
+    # replacement (_draft_passes_on_live_rows) is jitted without them.
 
 
 def _copy_host_inputs() -> None:
@@ -310,9 +307,6 @@ def _portable_default_attention() -> None:
     RPAAttentionBackend.attention = lambda self, *a, **kw: portable.attention(*a, **kw)
 
 
-# --- upstream fixes (every platform) -------------------------------------------
-
-
 def _draft_passes_on_live_rows() -> None:
     """EAGLE-3's draft runs its passes after the first on max_num_seqs rows.
 
@@ -322,7 +316,8 @@ def _draft_passes_on_live_rows() -> None:
     1.6 ms at 8, for one live request. Each request has at least one token in
     the step, so the step's token bucket bounds its live requests: the passes
     run on min(max_num_seqs, tokens) rows (one compiled program per token
-    bucket, as before) and the drafts are padded back to every row.
+    bucket, as before) and the drafts are padded back to every row. Jitted
+    without the original's xla_tpu_* options (3).
     """
     import dataclasses as dc
 
@@ -389,6 +384,9 @@ def _draft_logits_gathered() -> None:
         return logits[:, draft_of]  # [T, vocab]
 
     EagleLlama3ForCausalLM.compute_logits = compute_logits
+
+
+# --- upstream fixes (every platform) -------------------------------------------
 
 
 def _grammar_rows_per_logits_row() -> None:
