@@ -1,0 +1,45 @@
+"""The compatibility layer's host-to-device puts, against jax.device_put."""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpu_models.stepper import load_plugins
+
+
+def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
+    """tpu-inference's runner puts a step's inputs in tuples, then refills the
+    same host buffers for the next step while this one may still run: the
+    device must hold a copy, with the values, dtypes and sharding
+    jax.device_put gives (compat._copy_host_inputs hands the copies to jit's
+    own argument transfer instead)."""
+    load_plugins()
+    from tpu_inference.layers.common import utils
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    replicated = NamedSharding(mesh, P(None))
+    host = (np.arange(8, dtype=np.int32), np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3),
+            np.array([True, False]), np.arange(4, dtype=np.int64))
+    want = jax.device_put(tuple(x.copy() for x in host), replicated)
+
+    got = utils.general_device_put(host, replicated)
+    for x in host:
+        x[...] = 0  # the runner refilling its buffers
+    assert isinstance(got, tuple) and len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.dtype, g.shape, g.sharding, g.committed) == (w.dtype, w.shape, w.sharding, True)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert got[3].dtype == np.int32  # int64 canonicalized, as device_put does without x64
+
+    # A bare PartitionSpec reads the mesh in context, as device_put does.
+    with jax.set_mesh(mesh):
+        spec = utils.general_device_put(np.arange(4, dtype=np.int32), P("data"))
+    assert spec.sharding == NamedSharding(mesh, P("data"))
+    np.testing.assert_array_equal(np.asarray(spec), np.arange(4))
+
+    # Already on the device with that sharding: returned as it is.
+    assert utils.general_device_put(want[0], replicated) is want[0]
+    # Traced (qwix quantizes the model under jit): device_put's own path.
+    traced = jax.jit(lambda x: utils.general_device_put(x, replicated))(want[1])
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(want[1]))
