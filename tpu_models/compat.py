@@ -29,8 +29,8 @@ one, a CPU computes every padded row, so a lone decode paid 16x its matmuls.
 For the same reason EAGLE-3's draft passes run on the step's possible live
 requests rather than on every request slot (`_draft_passes_on_live_rows`).
 
-Upstream fixes (`install`, every platform, TPU included): tpu-inference bugs
-that give wrong results.
+Upstream fixes (`install`, every platform, TPU included): tpu-inference (and
+vLLM-on-tpu-inference) bugs that give wrong results or errors.
 
 Serving features (`install`, every platform): what tpu-inference's flax_nnx
 path lacks for our models: a hybrid KV cache for sliding-window layers, guided
@@ -148,6 +148,7 @@ def install() -> None:
     _sliding_window_kv_cache_groups()
     _eagle3_drafts_by_their_published_name()
     _drafts_on_the_host()
+    _engine_cleanup_of_torch_models_only()
     _drafts_in_the_served_dtype()
     _adapter_slots_for_our_models()
     _adapters_checked_before_loading()
@@ -562,6 +563,23 @@ def _weight_loading_timed() -> None:
         return original(self, model, model_config)
 
     DefaultModelLoader.load_weights = load_weights
+
+
+def _engine_cleanup_of_torch_models_only() -> None:
+    """vllm.LLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) walks the runner's
+    model as a torch module when the engine is collected (`model.modules()`, to
+    drop torch.compile hooks). tpu-inference's runner holds a flax model, so
+    every in-process run ended in an AttributeError traceback. Such a model
+    has no torch hooks to drop."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    original = LLMEngine._cleanup_instance_caches
+
+    def cleanup(model_ref):
+        if hasattr(model_ref(), "modules"):
+            original(model_ref)
+
+    LLMEngine._cleanup_instance_caches = staticmethod(cleanup)
 
 
 # --- serving features (every platform) -------------------------------------------
