@@ -45,27 +45,25 @@ def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(want[1]))
 
 
-def test_an_in_process_engine_exits_without_a_traceback(tmp_path):
+def test_an_in_process_engine_exits_without_a_traceback():
     """vllm.LLM in-process walked the runner's (flax) model as a torch module
     when the engine was collected: every such run ended in an AttributeError
     traceback (compat._engine_cleanup_of_torch_models_only)."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    script = tmp_path / "generate.py"
-    script.write_text(
-        "import vllm\n"
-        "from server.serve import DEFAULT_MODEL\n"
-        "llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype='float32', max_model_len=64,\n"
-        "               kv_cache_memory_bytes=16 << 20)\n"
-        "out = llm.generate(['{\"name\":'], vllm.SamplingParams(max_tokens=4, temperature=0))\n"
-        "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
+    script = ("import vllm\n"
+              "from server.serve import DEFAULT_MODEL\n"
+              "llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype='float32', max_model_len=64,\n"
+              "               kv_cache_memory_bytes=16 << 20)\n"
+              "out = llm.generate(['{\"name\":'], vllm.SamplingParams(max_tokens=4, temperature=0))\n"
+              "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
+    # `python -c` from the repo root imports server/ as the tests do
+    run = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1],
+                         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TOKENS 4" in run.stdout, run.stdout[-2000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
