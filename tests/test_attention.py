@@ -91,6 +91,7 @@ CASES = {
     "long_context_few_queries": [(250, 1), (200, 12)],
     # 8 token rows, under q_block: speculative verification's step shape
     "few_tokens": [(21, 1), (40, 2)],
+    "many_decodes": [(3, 1), (20, 1), (41, 1), (0, 1), (70, 1), (9, 1), (33, 1)],
 }
 
 
@@ -104,7 +105,8 @@ VARIANTS = [(case, None, None) for case in sorted(CASES)] + [
 @pytest.mark.parametrize("case,window,soft_cap", VARIANTS,
                          ids=[f"{c}-w{w}-cap{s}" for c, w, s in VARIANTS])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_matches_dense_reference(case, heads, window, soft_cap, decode_block_bytes=4 << 20):
+def test_matches_dense_reference(case, heads, window, soft_cap, decode_block_bytes=4 << 20,
+                                 decode_block=3):
     rng = np.random.default_rng(0)
     num_heads, kv_heads = heads
     head_dim = 32
@@ -116,7 +118,7 @@ def test_matches_dense_reference(case, heads, window, soft_cap, decode_block_byt
     # Small blocks so every case crosses query-block, key-block and page boundaries.
     fn = jax.jit(lambda **kw: ragged_paged_attention(
         **kw, sm_scale=scale, sliding_window=window, soft_cap=soft_cap,
-        q_block=16, kv_block=16, decode_block=3, decode_kv_block=16,
+        q_block=16, kv_block=16, decode_block=decode_block, decode_kv_block=16,
         decode_block_bytes=decode_block_bytes))
     out, _ = fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
     out = np.asarray(out)
@@ -161,6 +163,12 @@ def test_pages_that_left_the_window_are_never_read(case, window):
 def test_decode_block_shrinks_to_the_byte_budget(case):
     """A budget below one request's key block: decodes go one request at a time."""
     test_matches_dense_reference(case, (8, 2), 7, 5.0, decode_block_bytes=1)
+
+
+@pytest.mark.parametrize("case", ["few_tokens", "decode_only", "many_decodes"])
+def test_decodes_in_blocks_of_1_4_and_16_match_dense_reference(case):
+    """Decodes go in the smallest block of 1, 4 or 16 requests that holds them all."""
+    test_matches_dense_reference(case, (8, 2), None, None, decode_block=16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

@@ -106,13 +106,24 @@ class _PagedKV(NamedTuple):
     v_scale: float | None
 
 
+def _gather_pages(cache, page_ids, head_dim):
+    """cache[page_ids][..., :head_dim] -> [..., S, slots, packing, H], copying only
+    the head_dim columns: the cache pads them to 128 (4x the demo's 32)."""
+    batch = page_ids.ndim
+    dims = lax.GatherDimensionNumbers(offset_dims=tuple(range(batch, batch + 4)),
+                                      collapsed_slice_dims=(0, ), start_index_map=(0, ))
+    return lax.gather(cache, page_ids[..., None], dims, (1, *cache.shape[1:-1], head_dim),
+                      mode=lax.GatherScatterMode.CLIP)
+
+
 def _gather_keys(paged, seq_rows, first_page, block_idx, pages):
     """Key block `block_idx` (`pages` pages) from each request's `first_page` on,
     of the requests seq_rows -> k, v [..., S*B, K, H]."""
     cache, tables = paged.kv_cache, paged.block_tables
     cols = jnp.asarray(first_page)[..., None] + block_idx * pages + jnp.arange(pages)
     cols = jnp.clip(cols, 0, tables.shape[1] - 1)
-    rows = cache[jnp.take_along_axis(tables[seq_rows], cols, axis=-1)]  # [..., B, S, slots, packing, Hp]
+    page_ids = jnp.take_along_axis(tables[seq_rows], cols, axis=-1)  # [..., B]
+    rows = _gather_pages(cache, page_ids, paged.head_dim)  # [..., B, S, slots, packing, H]
     rows = rows.reshape(*rows.shape[:-5], pages * cache.shape[1], *rows.shape[-3:])
     return _unpack_kv(rows, paged.kv_heads, paged.head_dim, paged.k_scale, paged.v_scale)
 
@@ -198,7 +209,9 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
     the page gather makes. So a key block of a request block is kept within
     `block_bytes` (past the host's cache, the copy and its re-reads slow down
     2-4x), and is copied once, heads ahead of keys, so both products are
-    batched matmuls over (request, kv head).
+    batched matmuls over (request, kv head). A block copies keys for all its
+    rows, live or not: few decodes (low concurrency, or an EAGLE draft's
+    one-token passes over the whole padded batch) go in smaller blocks.
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = paged.kv_heads
@@ -207,15 +220,17 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
     _, page_size, *slot_shape = paged.kv_cache.shape
     pages = max(1, kv_block // page_size)
     block_keys = pages * page_size
-    key_bytes = math.prod(slot_shape) * paged.kv_cache.dtype.itemsize  # one slot, all heads
+    # One key's copy: all its slots, head_dim wide.
+    key_bytes = math.prod(slot_shape[:-1]) * head_dim * paged.kv_cache.dtype.itemsize
     block = max(1, min(block, num_tokens, block_bytes // (block_keys * key_bytes)))
     is_decode = q_lens == 1
+    num_decode = is_decode.sum()
     decode_ids = jnp.nonzero(is_decode, size=max_seqs, fill_value=max_seqs)[0]
     decode_ids = jnp.pad(decode_ids, (0, block), constant_values=max_seqs)
     heads_first = (((3, ), (3, )), ((0, 1), (0, 1)))  # [D, K, G, H] x [D, K, keys, H]
     keys_summed = (((3, ), (2, )), ((0, 1), (0, 1)))  # [D, K, G, keys] x [D, K, keys, H]
 
-    def request_block(i, out):
+    def request_block(i, out, block):
         ids = lax.dynamic_slice(decode_ids, (i * block, ), (block, ))
         valid = ids < max_seqs
         ids = jnp.minimum(ids, max_seqs - 1)
@@ -242,7 +257,13 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
         o = o.reshape(block, num_heads, head_dim)
         return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
 
-    return lax.fori_loop(0, -(-is_decode.sum() // block), request_block, out)
+    def attend(block):
+        body = functools.partial(request_block, block=block)
+        return lambda out: lax.fori_loop(0, -(-num_decode // block), body, out)
+
+    sizes = sorted({1, min(4, block), block})  # the smallest that holds every decode
+    branch = sum((num_decode > size).astype(jnp.int32) for size in sizes[:-1])
+    return lax.switch(branch, [attend(size) for size in sizes], out)
 
 
 def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, q_block,
