@@ -48,25 +48,33 @@ def chat_answers(server, examples, guided: list[bool]) -> list[str]:
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_speculative_demo_gives_the_text_of_plain_decoding(method, demo_server, tmp_path):
+def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path):
     """`tpu-models serve --speculative ngram|eagle3` (the shipped EAGLE-3 draft:
-    the Qwen3-structural target hands it three layers' hidden states). JSON
-    extraction copies the request's words: where drafts pay. Every other
-    request is guided, so drafted and guided requests share batches."""
+    the Qwen3-structural target hands it three layers' hidden states), both
+    servers started at once. JSON extraction copies the request's words: where
+    drafts pay. Every other request is guided, so drafted and guided requests
+    share batches."""
     examples = held_out(CONCURRENT, novel=True)
     guided = [i % 2 == 1 for i in range(CONCURRENT)]
-    with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-                "--speculative", method, log=tmp_path / "serve.log") as speculative:
-        got = chat_answers(speculative, examples, guided)
-        assert got == chat_answers(demo_server, examples, guided)
-        assert accepted_draft_tokens(speculative) > 0
-        if method == "eagle3":
-            # Every draft position must draft well, not just the first (a pass
-            # reading another request's row or position would still be lossless);
-            # bench spec measures 2.7 of 3 on these requests.
-            assert accepted_per_draft(speculative) > 2.0
-    for example, text, g in zip(examples, got, guided):
+    plain = chat_answers(demo_server, examples, guided)
+    servers = {method: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
+                              str(64 << 20), "--speculative", method,
+                              log=tmp_path / f"{method}.log").launch()
+               for method in ("ngram", "eagle3")}
+    try:
+        for method, speculative in servers.items():
+            speculative.start()
+            got = chat_answers(speculative, examples, guided)
+            assert got == plain, method
+            assert accepted_draft_tokens(speculative) > 0, method
+        # Every EAGLE-3 draft position must draft well, not just the first (a
+        # pass reading another request's row or position would still be
+        # lossless); bench spec measures 2.7 of 3 on these requests.
+        assert accepted_per_draft(servers["eagle3"]) > 2.0
+    finally:
+        for server in servers.values():
+            server.stop()
+    for example, text, g in zip(examples, plain, guided):
         if g:
             assert demo_quality.matches_schema(json.loads(text), example["schema"]), text
 

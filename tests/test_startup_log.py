@@ -77,24 +77,32 @@ def bad_lines(log: str) -> list[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_demo_server_log_tells_the_truth(stop, tmp_path):
-    server = Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-                    log=tmp_path / "serve.log")
-    with server:
-        server.client().completions.create(model="qwen3-structural-demo", prompt="Lena works",
-                                           max_tokens=8)
-        server.stop(stop)
-    log = server.output()
-    assert bad_lines(log) == []
-    ready = re.search(r"tpu-models: ready: qwen3-structural-demo \(float32, cpu\), KV cache "
-                      r"([\d,]+) tokens, ([\d.]+) requests at --max-model-len 256, "
-                      rf"http://127.0.0.1:{server.port}", log)
-    assert ready, "no ready line"
-    tokens, concurrency = server.kv_capacity()
-    assert (int(ready[1].replace(",", "")), float(ready[2])) == (tokens, concurrency)
-    loading = float(re.search(r"Loading weights took ([\d.]+) seconds", log)[1])
-    assert loading < 10  # 7.8 MB; it used to log the host's uptime
+def test_demo_server_log_tells_the_truth(tmp_path):
+    """Stopped with Ctrl-C and with SIGTERM (two servers, started at once)."""
+    stops = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM}
+    servers = {name: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
+                            str(64 << 20), log=tmp_path / f"{name}.log").launch()
+               for name in stops}
+    try:
+        for name, server in servers.items():
+            server.start()
+            server.client().completions.create(model="qwen3-structural-demo",
+                                               prompt="Lena works", max_tokens=8)
+            server.stop(stops[name])
+    finally:
+        for server in servers.values():
+            server.stop()
+    for name, server in servers.items():
+        log = server.output()
+        assert bad_lines(log) == [], name
+        ready = re.search(r"tpu-models: ready: qwen3-structural-demo \(float32, cpu\), KV cache "
+                          r"([\d,]+) tokens, ([\d.]+) requests at --max-model-len 256, "
+                          rf"http://127.0.0.1:{server.port}", log)
+        assert ready, f"{name}: no ready line"
+        tokens, concurrency = server.kv_capacity()
+        assert (int(ready[1].replace(",", "")), float(ready[2])) == (tokens, concurrency), name
+        loading = float(re.search(r"Loading weights took ([\d.]+) seconds", log)[1])
+        assert loading < 10, name  # 7.8 MB; it used to log the host's uptime
 
 
 def test_off_tpu_the_engine_core_is_forked_and_compiles_in_parallel():
