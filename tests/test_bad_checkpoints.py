@@ -13,7 +13,7 @@ from loaders.hf import CheckpointError, HfCheckpoint, count_nonfinite
 from loaders.tables import check_checkpoint, read_config
 from tpu_models import registry
 from tpu_models.stepper import Stepper
-from server.process import STARTUP_TIMEOUT, Server
+from server.process import Server, launched
 from server.serve import build_command
 from tests.tiny import make_qwen3
 
@@ -36,7 +36,7 @@ def test_bad_checkpoints_stop_the_server_naming_the_fault(qwen3, tmp_path):
     config = json.loads((unknown / "config.json").read_text())
     config["architectures"] = ["Qwen3StructurallFoCausalLM"]
     (unknown / "config.json").write_text(json.dumps(config))
-    nan = edit_tensors(Path(shutil.copytree(qwen3, tmp_path / "nan")),
+    nan = edit_tensors(copy(qwen3, tmp_path / "nan"),
                        lambda t: t["structural_head.bias"].__setitem__(7, float("nan")))
     cases = {  # name: (checkpoint, options, what the log must say)
         "missing-tensor": (missing, ["--dtype", "float32"],
@@ -46,15 +46,11 @@ def test_bad_checkpoints_stop_the_server_naming_the_fault(qwen3, tmp_path):
         "check-weights": (nan, ["--check-weights", "--dtype", "float32"],
                           ["tensor structural_head.bias [64] holds 1 NaN value (of 64)"]),
     }
-    servers = {}
-    try:
-        for name, (checkpoint, options, _) in cases.items():
-            servers[name] = Server(checkpoint, *options, "--max-model-len", "256",
-                                   log=tmp_path / f"{name}.log").launch()
-        codes = {name: server.process.wait(STARTUP_TIMEOUT) for name, server in servers.items()}
-    finally:
-        for server in servers.values():
-            server.stop()
+    servers = {name: Server(checkpoint, *options, "--max-model-len", "256",
+                            log=tmp_path / f"{name}.log")
+               for name, (checkpoint, options, _) in cases.items()}
+    with launched(servers):
+        codes = {name: server.wait_exit() for name, server in servers.items()}
     for name, (_, _, messages) in cases.items():
         assert codes[name] != 0, name
         for message in messages:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import serving
-from server.process import Server
+from server.process import Server, launched
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_gemma3, make_qwen3
 
@@ -112,17 +112,13 @@ def test_disabling_the_hybrid_manager_costs_gemma3_1b_most_of_its_capacity(tmp_p
     model = make_gemma3(tmp_path / "gemma3-1b-attention", num_layers=26, num_heads=4,
                         num_kv_heads=1, head_dim=256, sliding_window=512,
                         max_position_embeddings=LONG_CONTEXT)
-    servers = {}
-    try:  # both at once: each is stopped once vLLM has sized its KV cache
-        for mode, args in (("hybrid", ()), ("disabled", ("--disable-hybrid-kv-cache-manager",))):
-            servers[mode] = Server(
-                model, "--dtype", "float32", "--max-model-len", str(LONG_CONTEXT),
-                "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", str(2 << 30),
-                *args, log=tmp_path / f"{mode}.log").launch()
+    servers = {mode: Server(model, "--dtype", "float32", "--max-model-len", str(LONG_CONTEXT),
+                            "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes",
+                            str(2 << 30), *args, log=tmp_path / f"{mode}.log")
+               for mode, args in (("hybrid", ()),
+                                  ("disabled", ("--disable-hybrid-kv-cache-manager",)))}
+    with launched(servers):  # both at once: each is stopped once vLLM has sized its KV cache
         capacity = {mode: server.kv_capacity() for mode, server in servers.items()}
-    finally:
-        for server in servers.values():
-            server.stop()
     ratio = capacity["hybrid"][1] / capacity["disabled"][1]
     print(f"max concurrency at 32K: hybrid {capacity['hybrid'][1]:.2f}, "
           f"disabled {capacity['disabled'][1]:.2f}, ratio {ratio:.2f}")

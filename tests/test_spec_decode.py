@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import demo_quality, serving
 from benchmarks.demo_data import held_out
-from server.process import Server
+from server.process import Server, launched
 from server.serve import DEFAULT_NAME, SPECULATIVE
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_eagle3_draft, make_gemma3
@@ -59,9 +59,9 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
     plain = chat_answers(demo_server, examples, guided)
     servers = {method: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
                               str(64 << 20), "--speculative", method,
-                              log=tmp_path / f"{method}.log").launch()
+                              log=tmp_path / f"{method}.log")
                for method in ("ngram", "eagle3")}
-    try:
+    with launched(servers):
         for method, speculative in servers.items():
             speculative.start()
             got = chat_answers(speculative, examples, guided)
@@ -71,9 +71,6 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
         # pass reading another request's row or position would still be
         # lossless); bench spec measures 2.7 of 3 on these requests.
         assert accepted_per_draft(servers["eagle3"]) > 2.0
-    finally:
-        for server in servers.values():
-            server.stop()
     for example, text, g in zip(examples, plain, guided):
         if g:
             assert demo_quality.matches_schema(json.loads(text), example["schema"]), text

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from server.process import Server
+from server.process import Server, launched
 from tpu_models import logs
 
 SILENCED = [prefix for table in (logs.OFF_TPU, logs.ALWAYS) for prefixes in table.values()
@@ -81,17 +81,14 @@ def test_demo_server_log_tells_the_truth(tmp_path):
     """Stopped with Ctrl-C and with SIGTERM (two servers, started at once)."""
     stops = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM}
     servers = {name: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
-                            str(64 << 20), log=tmp_path / f"{name}.log").launch()
+                            str(64 << 20), log=tmp_path / f"{name}.log")
                for name in stops}
-    try:
+    with launched(servers):
         for name, server in servers.items():
             server.start()
             server.client().completions.create(model="qwen3-structural-demo",
                                                prompt="Lena works", max_tokens=8)
             server.stop(stops[name])
-    finally:
-        for server in servers.values():
-            server.stop()
     for name, server in servers.items():
         log = server.output()
         assert bad_lines(log) == [], name

@@ -61,9 +61,10 @@ def _pack_kv(k, v, kv_cache):
 
 
 def _unpack_kv(rows, kv_heads, head_dim, k_scale, v_scale):
-    """cache rows [..., slots, packing, >= H] -> k, v [..., K, H] in fp32."""
+    """cache rows [..., slots, packing, H] (as _gather_pages copies them) -> k, v
+    [..., K, H] in fp32."""
     rows = rows.reshape(*rows.shape[:-3], -1, rows.shape[-1])
-    rows = rows[..., :2 * kv_heads, :head_dim].astype(jnp.float32)
+    rows = rows[..., :2 * kv_heads, :].astype(jnp.float32)
     rows = rows.reshape(*rows.shape[:-2], kv_heads, 2, head_dim)
     k, v = rows[..., 0, :], rows[..., 1, :]
     if k_scale is not None:
