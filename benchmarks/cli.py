@@ -2,8 +2,8 @@
 
 `tpu-models` (server/cli.py) reaches `main` through the `tpu_models.commands`
 entry point (pyproject.toml), so that server/ imports no benchmark; it has set
-up the host (tpu_models.compat.setup_host) before. Also runs as
-`python -m benchmarks.cli ...`.
+up the host (tpu_models.host.setup_host) before. Also runs as
+`python -m tpu_models.benchmarks.cli ...`.
 """
 
 import argparse
@@ -18,19 +18,19 @@ from pathlib import Path
 
 # Benchmarks that parse their own options: name -> (module with main(argv), help).
 OWN_OPTIONS = {
-    "step": ("benchmarks.step", "decode-step time of a real-shaped model (Qwen3-0.6B, Gemma 3 1B) vs the host's "
+    "step": ("tpu_models.benchmarks.step", "decode-step time of a real-shaped model (Qwen3-0.6B, Gemma 3 1B) vs the host's "
                                 "memory bandwidth (model level)"),
-    "kv-cache": ("benchmarks.kv_cache", "Gemma 3's hybrid KV cache vs disabled: capacity and "
+    "kv-cache": ("tpu_models.benchmarks.kv_cache", "Gemma 3's hybrid KV cache vs disabled: capacity and "
                                         "8K-context decode (served)"),
-    "startup": ("benchmarks.startup", "cold start and warm restart of `tpu-models serve`, by "
+    "startup": ("tpu_models.benchmarks.startup", "cold start and warm restart of `tpu-models serve`, by "
                                       "phase"),
-    "spec": ("benchmarks.spec_decode", "speculative decoding on the demo model: off, n-gram and "
+    "spec": ("tpu_models.benchmarks.spec_decode", "speculative decoding on the demo model: off, n-gram and "
                                        "EAGLE-3 side by side (tok/s, TPOT, acceptance)"),
-    "lora": ("benchmarks.multi_lora", "adapters chosen per request (--enable-lora) vs one "
+    "lora": ("tpu_models.benchmarks.multi_lora", "adapters chosen per request (--enable-lora) vs one "
                                       "merged at load: output tok/s at 1, 4, 16 (served)"),
-    "real-scale": ("benchmarks.real_scale", "real-shaped models served one request at a time: "
+    "real-scale": ("tpu_models.benchmarks.real_scale", "real-shaped models served one request at a time: "
                                             "TPOT next to the model-level step, start-up, memory"),
-    "quant": ("benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
+    "quant": ("tpu_models.benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }
 
@@ -91,11 +91,11 @@ def _vocabulary(tokenizer_dir: str) -> tuple[int, set[int]]:
 
 
 def bench_serve(args) -> dict:
-    from benchmarks import serving
-    from server.process import Server
+    from tpu_models.benchmarks import serving
+    from tpu_models.benchmarks.process import Server
 
     if args.shape:
-        from benchmarks.checkpoints import random_checkpoint
+        from tpu_models.benchmarks.checkpoints import random_checkpoint
         args.model = str(random_checkpoint(
             args.shape, Path(tempfile.mkdtemp(prefix="tpu-models-bench-")) / args.shape))
     tokenizer = args.tokenizer or args.model
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.kind == "serve":
         bench_serve(args)
     elif args.kind == "compare":
-        from benchmarks.compare import compare
+        from tpu_models.benchmarks.compare import compare
         shape = {k: v for k, v in (("hidden_size", args.hidden_size),
                                    ("num_hidden_layers", args.layers)) if v}
         compare(concurrencies=args.concurrency, input_len=args.input_len,
@@ -154,6 +154,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from tpu_models import compat
-    compat.setup_host()  # as `tpu-models bench`: before anything imports vllm
+    from tpu_models import host
+    host.setup_host()  # as `tpu-models bench`: before anything imports vllm
     main()

@@ -34,7 +34,7 @@ def make_pair(directory: Path, shape: dict) -> tuple[Path, Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from benchmarks.checkpoints import add_structural_head, word_tokenizer
+    from tpu_models.benchmarks.checkpoints import add_structural_head, word_tokenizer
 
     builtin, ours = directory / "qwen3", directory / "qwen3-structural"
     tokenizer = word_tokenizer(shape["vocab_size"])
@@ -56,8 +56,8 @@ def serve_side_by_side(models: dict[str, Path], concurrencies, *, rounds, input_
 
     Returns ({label: one row per concurrency, each metric the median of its
     runs}, {label: startup seconds}); servers start one after the other."""
-    from benchmarks import serving
-    from server.process import Server
+    from tpu_models.benchmarks import serving
+    from tpu_models.benchmarks.process import Server
 
     with contextlib.ExitStack() as stack:
         servers = {label: stack.enter_context(Server(
@@ -110,7 +110,7 @@ def transformers_generate(model: Path, concurrencies, *, input_len, output_len, 
 
 def compare(*, concurrencies=(1, 4, 16), input_len=128, output_len=64, num_prompts=None,
             shape=None, dtype="bfloat16", rounds=3, hf_rounds=2, out=None, plot=None) -> dict:
-    from benchmarks import serving
+    from tpu_models.benchmarks import serving
 
     shape = {**DEFAULT_SHAPE, **(shape or {})}
     work = Path(tempfile.mkdtemp(prefix="bench-compare-"))

@@ -8,7 +8,7 @@ the record's JSON schema, that hold exactly the record's values, and per-field
 accuracy; greedy decoding, without and with guided decoding (OpenAI
 `response_format` with the record's JSON schema, vLLM's structured outputs).
 
-    python -m benchmarks.demo_quality [--base-url URL | --model DIR] [--num 200]
+    python -m tpu_models.benchmarks.demo_quality [--base-url URL | --model DIR] [--num 200]
 """
 
 import argparse
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.demo_data import SCHEMAS, held_out, json_schema
+from tpu_models.benchmarks.demo_data import SCHEMAS, held_out, json_schema
 
 
 async def answer(client, model, example, guided):
@@ -98,7 +98,7 @@ def main(argv=None) -> list[dict]:
         model = OpenAI(base_url=f"{base_url}/v1",
                        api_key=args.api_key or "unused").models.list().data[0].id
     else:
-        from server.process import Server
+        from tpu_models.benchmarks.process import Server
         log = Path(tempfile.mkdtemp(prefix="demo-quality-")) / "serve.log"
         server = Server(args.model, "--served-model-name", "demo", "--max-model-len", "256",
                         "--kv-cache-memory-bytes", str(256 << 20), log=log).start()

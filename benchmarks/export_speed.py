@@ -7,7 +7,7 @@ peak RSS. The exporter reads one (stacked) tensor at a time, so its peak should
 track the largest tensor plus the Python/JAX baseline and one shard's worth of
 queued tensors, not the checkpoint size.
 
-    python -m benchmarks.export_speed [--size-mb 600] [--out export-speed.json]
+    python -m tpu_models.benchmarks.export_speed [--size-mb 600] [--out export-speed.json]
 """
 
 import argparse
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-BASELINE = "import numpy, orbax.checkpoint, safetensors, loaders.export, loaders.maxtext"
+BASELINE = "import numpy, orbax.checkpoint, safetensors, tpu_models.loaders.export, tpu_models.loaders.maxtext"
 
 
 def config_for(size_mb: float) -> dict:
@@ -39,7 +39,7 @@ def write_checkpoint(directory: Path, config: dict) -> tuple[int, int]:
     """Random weights in MaxText's scanned layout; returns (total bytes, largest leaf bytes)."""
     import orbax.checkpoint as ocp
 
-    from loaders.maxtext import hf_to_maxtext
+    from tpu_models.benchmarks.checkpoints import hf_to_maxtext
     from tpu_models import registry
 
     arch = registry.by_export_name("qwen3-structural")
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         total, largest = write_checkpoint(tmp / "run", config)
         _, baseline_rss = run_measured([sys.executable, "-c", BASELINE])
         seconds, peak_rss = run_measured([
-            sys.executable, "-m", "server.cli", "export", "maxtext", str(tmp / "run"),
+            sys.executable, "-m", "tpu_models.server.cli", "export", "maxtext", str(tmp / "run"),
             "--model", "qwen3-structural", "--out", str(tmp / "hf"),
             "--max-shard-size", str(256 * 2**20)])
         written = sum(p.stat().st_size for p in (tmp / "hf").glob("*.safetensors"))

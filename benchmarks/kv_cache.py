@@ -3,7 +3,7 @@
 For each mode, one `tpu-models serve` of a Gemma 3 1B-shaped checkpoint
 (random weights) at --max-model-len 32768 and a fixed --kv-cache-memory-bytes:
 the KV capacity and maximum concurrency vLLM reports, then decode throughput
-and TPOT at an 8K-token context (vLLM's metrics, benchmarks.serving).
+and TPOT at an 8K-token context (vLLM's metrics, tpu_models.benchmarks.serving).
 
 Shapes: `gemma3-1b` is the released model's (hidden 1152, MLP 6912, vocabulary
 262,144); `gemma3-1b-attention` (default) keeps its attention (26 layers, 22
@@ -11,7 +11,7 @@ local with window 512, 4 heads, 1 KV head of 256) with a small MLP and
 vocabulary, so that on a CPU host the 8K-context decode is the attention's
 cost and not the weights' (the KV cache is the same in both).
 
-    python -m benchmarks.kv_cache [--shape gemma3-1b] [--out FILE]
+    python -m tpu_models.benchmarks.kv_cache [--shape gemma3-1b] [--out FILE]
 """
 
 import argparse
@@ -19,7 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchmarks.checkpoints import SHAPES as REAL_SHAPES, random_gemma3
+from tpu_models.benchmarks.checkpoints import SHAPES as REAL_SHAPES, random_gemma3
 
 GEMMA3_1B = {k: v for k, v in REAL_SHAPES["gemma3-1b"].items() if k != "arch"}
 SHAPES = {
@@ -41,8 +41,8 @@ def measure(model: Path, *, max_model_len: int, batched_tokens: int, kv_bytes: i
             context: int, output_len: int, concurrencies: list[int], num_prompts: int,
             vocab_size: int, log_dir: Path) -> dict:
     """Per mode: vLLM's KV capacity, then (with concurrencies) the decode sweep."""
-    from benchmarks import serving
-    from server.process import Server
+    from tpu_models.benchmarks import serving
+    from tpu_models.benchmarks.process import Server
 
     results = {}
     for mode, args in MODES.items():
@@ -137,6 +137,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from tpu_models import compat
-    compat.setup_host()
+    from tpu_models import host
+    host.setup_host()
     main()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import serving
-from server.process import Server
-from server.serve import DEFAULT_MODEL, DEFAULT_NAME
+from tpu_models.benchmarks import serving
+from tpu_models.benchmarks.process import Server
+from tpu_models.server.serve import DEFAULT_MODEL, DEFAULT_NAME
 
 SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 << 20)]
 
@@ -31,8 +31,8 @@ SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 << 2
 def random_adapters(base: Path, out: Path, count: int, rank: int) -> list[Path]:
     """`count` PEFT adapters of `rank` on every projection of `base`, weights
     large enough to change its answers."""
-    from loaders.lora import LoraAdapter
-    from loaders.tables import PROJECTIONS, read_config
+    from tpu_models.loaders.lora import LoraAdapter
+    from tpu_models.loaders.tables import PROJECTIONS, read_config
     from tpu_models import registry
 
     config, _ = read_config(base)

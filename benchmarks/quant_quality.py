@@ -41,8 +41,8 @@ DEFAULT_PRESETS = ("int8-weight-only", "int8", "fp8", "int4-weight-only", "kv:fp
 def build(model_dir, quant: str | None = None, **stepper_args):
     """A Stepper over model_dir, quantized with a preset or rules file, or with
     its KV cache stored as `kv:DTYPE` (e.g. kv:fp8); None: unquantized."""
-    from tpu_models.stepper import Stepper
-    from quant import rules
+    from tpu_models.benchmarks.stepper import Stepper
+    from tpu_models.quant import rules
 
     if quant is not None and quant.startswith("kv:"):
         stepper_args["kv_cache_dtype"] = quant[3:]
@@ -158,7 +158,7 @@ def demo_sequences(model_dir, num: int) -> tuple[list[list[int]], list[list[int]
     """(prompts, prompts + reference answers) from the demo's held-out requests."""
     from transformers import AutoTokenizer
 
-    from benchmarks.demo_data import held_out
+    from tpu_models.benchmarks.demo_data import held_out
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts, full = [], []
     for example in held_out(num):
@@ -267,16 +267,16 @@ def main(argv=None) -> list[dict]:
                              "the tied embedding from dominating the weights)")
     parser.add_argument("--out", default="bench-quant.json")
     args = parser.parse_args(argv)
-    from server.serve import DEFAULT_MODEL
-    from tpu_models import compat
-    compat.setup_host()  # as `tpu-models serve`: a TPU, else the CPU
+    from tpu_models.server.serve import DEFAULT_MODEL
+    from tpu_models import host
+    host.setup_host()  # as `tpu-models serve`: a TPU, else the CPU
     os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
     model = args.model or str(DEFAULT_MODEL)
     if args.speed_shape:
         import tempfile
 
-        from benchmarks.checkpoints import shape_config
-        from benchmarks.step import make_model_dir
+        from tpu_models.benchmarks.checkpoints import shape_config
+        from tpu_models.benchmarks.step import make_model_dir
         model = str(make_model_dir(shape_config("qwen3-0.6b", num_layers=args.speed_shape,
                                                 vocab_size=args.speed_vocab),
                                    Path(tempfile.mkdtemp(prefix="bench-quant-"))))

@@ -13,7 +13,7 @@ model; random weights stored in bf16, as released), side by side:
                (until vLLM sizes the KV cache) and over the whole start-up,
                against the weights and the KV cache it was given
 
-    python -m benchmarks.real_scale [--shape qwen3-0.6b,gemma3-1b] [--out FILE]
+    python -m tpu_models.benchmarks.real_scale [--shape qwen3-0.6b,gemma3-1b] [--out FILE]
 """
 
 import argparse
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.checkpoints import SHAPES, random_checkpoint
+from tpu_models.benchmarks.checkpoints import SHAPES, random_checkpoint
 
 PROMPT_TOKENS = 16
 SHORT, LONG = 8, 72
@@ -36,7 +36,7 @@ KV_CACHE_BYTES = 1 << 30
 def model_step(shape: str, context: int, work: Path) -> dict:
     """bench step's batch-1 row for `shape`, measured in a process of its own."""
     out = work / f"step-{shape}.json"
-    subprocess.run([sys.executable, "-m", "benchmarks.step", "--shape", shape, "--batch", "1",
+    subprocess.run([sys.executable, "-m", "tpu_models.benchmarks.step", "--shape", shape, "--batch", "1",
                     "--context", str(context), "--repeats", "5", "--out", str(out)],
                    check=True, stdout=subprocess.DEVNULL)
     row = json.loads(out.read_text())["rows"][0]
@@ -73,8 +73,8 @@ class TreeMemory:
 
 
 def served(model: Path, work: Path, name: str) -> dict:
-    from benchmarks.serving import server_counters
-    from server.process import Server
+    from tpu_models.benchmarks.serving import server_counters
+    from tpu_models.benchmarks.process import Server
 
     server = Server(model, "--max-model-len", "512", "--max-num-seqs", "8",
                     "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--served-model-name", name,
@@ -154,6 +154,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from tpu_models import compat
-    compat.setup_host()
+    from tpu_models import host
+    host.setup_host()
     main()

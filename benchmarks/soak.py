@@ -10,7 +10,7 @@ malformed one with a 4xx, still answers afterwards, and its memory (RSS of the
 server's whole process tree) settles: rounds run back to back, and the growth
 over the later rounds is reported beside the total.
 
-    python -m benchmarks.soak [--base-url URL --server-pid PID | --model DIR]
+    python -m tpu_models.benchmarks.soak [--base-url URL --server-pid PID | --model DIR]
         [--requests 1000] [--concurrency 200] [--rounds 3] [--time-limit 900]
 """
 
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         if not base_url.startswith(("http://127.", "http://localhost", "http://[::1]")):
             sys.exit("soak: loopback servers only (http://127.0.0.1:PORT)")
     else:
-        from server.process import Server
+        from tpu_models.benchmarks.process import Server
         log = Path(tempfile.mkdtemp(prefix="soak-")) / "serve.log"
         server = Server(args.model, "--dtype", "float32", "--max-model-len",
                         str(args.max_model_len), log=log, api_key="soak-key").start()

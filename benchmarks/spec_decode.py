@@ -26,10 +26,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks import serving
-from benchmarks.demo_data import held_out
-from server.process import Server
-from server.serve import DEFAULT_NAME
+from tpu_models.benchmarks import serving
+from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.process import Server
+from tpu_models.server.serve import DEFAULT_NAME
 
 MAX_TOKENS = 64
 

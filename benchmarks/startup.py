@@ -12,7 +12,7 @@ started again on that cache. Each start is timed from launch to a healthy
   warm-up       -> "init engine ... took" (allocation, precompilation)
   serving       -> /health answers (API server start, tokenizer, routes)
 
-    python -m benchmarks.startup [MODEL] [--server-args "..."] [--out FILE]
+    python -m tpu_models.benchmarks.startup [MODEL] [--server-args "..."] [--out FILE]
 """
 
 import argparse
@@ -66,7 +66,7 @@ def phases(log: str, launched: float, ready: float) -> dict:
 
 
 def start_once(model: str | None, args: list[str], cache: Path, log: Path) -> dict:
-    from server.process import Server
+    from tpu_models.benchmarks.process import Server
     server = Server(model, *args, log=log, env={"VLLM_XLA_CACHE_PATH": str(cache)})
     launched = time.time()
     server.start()
@@ -125,6 +125,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from tpu_models import compat
-    compat.setup_host()
+    from tpu_models import host
+    host.setup_host()
     main()

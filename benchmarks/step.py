@@ -19,7 +19,7 @@ logits. With `--lora NxR` the engine runs with N adapter slots of rank R
 round-robin over N random adapters of rank R on every projection: the
 per-token cost of adapters chosen per request (tpu_models.lora).
 
-    python -m benchmarks.step [--shape gemma3-1b] [--batch 1,16] [--context 512] [--dtype bfloat16]
+    python -m tpu_models.benchmarks.step [--shape gemma3-1b] [--batch 1,16] [--context 512] [--dtype bfloat16]
                               [--lora 4x16]
 """
 
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.checkpoints import SHAPES, shape_config
-from tpu_models import compat  # stdlib only: safe before the host is set up
+from tpu_models.benchmarks.checkpoints import SHAPES, shape_config
+from tpu_models import adapt, host  # light at import: safe before the host is set up
 
 def timed(fn, repeats: int, warmup: int = 3) -> float:
     """Median seconds of fn() (which must block until its result is ready)."""
@@ -154,7 +154,7 @@ def measure(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from tpu_models.stepper import Stepper  # the runner-like harness the parity tests use
+    from tpu_models.benchmarks.stepper import Stepper  # the runner-like harness the parity tests use
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "tpu" else "float32")
     config = shape_config(args.shape, num_layers=args.layers, vocab_size=args.vocab_size)
@@ -171,7 +171,7 @@ def measure(args) -> dict:
     if args.lora:
         from vllm.lora.request import LoRARequest
 
-        from benchmarks.multi_lora import random_adapters
+        from tpu_models.benchmarks.multi_lora import random_adapters
         adapters = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in
                     enumerate(random_adapters(model_dir, model_dir / "adapters", slots, rank))]
     weight_bytes = sum(x.nbytes for x in stepper.interface.state_leaves)
@@ -228,8 +228,8 @@ def report(result: dict, out: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
-    compat.setup_host()  # this host's CPU unless it has a TPU, never the cloud metadata server
-    compat.install()  # as the engine would: host portability, token buckets (off-TPU only)
+    host.setup_host()  # this host's CPU unless it has a TPU, never the cloud metadata server
+    adapt.apply()  # as the engine would: host portability, token buckets (off-TPU only)
     result = measure(args)
     report(result, Path(args.out))
     return result

@@ -7,7 +7,7 @@ metric's medians over the runs. Each run also records the server's own mean
 TTFT (its `/metrics` histogram before and after), which tells a gap in the
 server's work from one in a client's clock.
 
-    python -m benchmarks.vllm_agreement [--concurrency 4] [--repeats 2] [--num-prompts N]
+    python -m tpu_models.benchmarks.vllm_agreement [--concurrency 4] [--repeats 2] [--num-prompts N]
 """
 
 import argparse
@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import serving
-from tpu_models import compat
+from tpu_models.benchmarks import serving
+from tpu_models import host
 
 # Keys of both tools' JSON (vLLM's names); server_mean_ttft_ms is added per run here.
 METRICS = ["output_throughput", "request_throughput", "median_ttft_ms", "mean_ttft_ms",
@@ -34,7 +34,7 @@ def client_env() -> dict:
     runs on the CPU (a client needs no accelerator) and tpu-inference gets a TPU identity
     instead of asking the cloud metadata server."""
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    compat.setup_host("cpu", env)
+    host.setup_host("cpu", env)
     return env
 
 
@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
 def measure(args) -> dict:
     """Serves one model and alternates our runs and `vllm bench serve`'s on it: each side's
     runs (its metrics, plus the server's view), and their client CPU seconds."""
-    from benchmarks.compare import DEFAULT_SHAPE, make_pair
-    from server.process import Server
+    from tpu_models.benchmarks.compare import DEFAULT_SHAPE, make_pair
+    from tpu_models.benchmarks.process import Server
 
     num_prompts = args.num_prompts or serving.default_num_prompts(args.concurrency)
     work = Path(tempfile.mkdtemp(prefix="bench-agreement-"))

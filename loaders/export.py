@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders.hf import CheckpointError, HfCheckpoint
-from loaders.hf_writer import HfWriter, check_out
-from loaders.lora import LoraAdapter
-from loaders.rules import Rule
-from loaders.tables import check_checkpoint, check_config, read_config
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.loaders.hf_writer import HfWriter, check_out
+from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.tables import check_checkpoint, check_config, read_config
 
 # Files that travel with the weights (config, generation defaults, tokenizer).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -77,7 +77,7 @@ def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *, arch,
         raise CheckpointError(f"{source}: tensors outside the language model and vision tower: "
                               f"{unknown[:5]}")
     config = {**text_config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-    from loaders.hf import check_tensors
+    from tpu_models.loaders.hf import check_tensors
     check_tensors({new: (checkpoint.tensors[old].shape, checkpoint.tensors[old].file.name)
                    for old, new in renames.items()}, arch.hf_table(config)[0], where=str(source))
     with HfWriter(out, overwrite=overwrite) as writer:
@@ -149,8 +149,8 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
     check_out(out, overwrite)
     import torch
 
-    from loaders.rules import expand
-    from loaders.tunix import TunixCheckpoint
+    from tpu_models.loaders.rules import expand
+    from tpu_models.loaders.tunix import TunixCheckpoint
 
     base = Path(base)
     config = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() \
@@ -246,7 +246,7 @@ def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
     tokenizer files. Reads one tensor at a time; writes into a temporary directory
     renamed into place at the end."""
     check_out(out, overwrite)
-    from loaders.maxtext import MaxTextCheckpoint
+    from tpu_models.loaders.maxtext import MaxTextCheckpoint
 
     if arch.maxtext is None:
         raise ValueError(f"{arch.hf_name} has no MaxText layout")

@@ -92,11 +92,6 @@ class HfCheckpoint:
             if info.file.name != file:
                 raise CheckpointError(f"{index}: lists {name} in {file}, but it is in {info.file.name}")
 
-    def check(self, expected: Mapping[str, tuple[int, ...]], *, optional: Iterable[str] = ()) -> None:
-        """Raises CheckpointError unless the tensors are exactly `expected` (plus `optional`)."""
-        check_tensors({n: (i.shape, i.file.name) for n, i in self.tensors.items()},
-                      expected, optional=optional, where=str(self.directory))
-
     def iter_tensors(self, framework: str = "pt", *, check_finite: bool = False
                      ) -> Iterator[tuple[str, object]]:
         """Yields (name, tensor) file by file, holding one tensor at a time.

@@ -31,7 +31,7 @@ import numpy as np
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
-from loaders.hf import CheckpointError
+from tpu_models.loaders.hf import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 
 
 def describe(path: str | Path, tunix_families: dict | None = None) -> dict:
@@ -13,7 +13,7 @@ def describe(path: str | Path, tunix_families: dict | None = None) -> dict:
     orbax = any((path / p).exists() for p in ("_METADATA", "checkpoints", "items", "model_params"))
     if not orbax and (list(path.glob("*.safetensors")) or (path / "adapter_config.json").exists()):
         if (path / "adapter_config.json").exists():
-            from loaders.lora import LoraAdapter
+            from tpu_models.loaders.lora import LoraAdapter
             adapter = LoraAdapter(path)
             tensors = [(f"{n} (A, B)", (tuple(a.shape), tuple(b.shape)), str(a.dtype))
                        for n, (a, b) in sorted(adapter.targets.items())]
@@ -24,18 +24,18 @@ def describe(path: str | Path, tunix_families: dict | None = None) -> dict:
         tensors = [(n, i.shape, i.dtype) for n, i in sorted(checkpoint.tensors.items())]
         layout = f"{len(checkpoint.files)} safetensors file(s)"
         return {"format": "HF safetensors", "layout": layout, "tensors": tensors, "notes": []}
-    from loaders.orbax_io import OrbaxCheckpoint
+    from tpu_models.loaders.orbax_io import OrbaxCheckpoint
     orbax = OrbaxCheckpoint(path)
     tensors = [(n, shape, str(dtype)) for n, (shape, dtype) in sorted(orbax.leaves.items())]
     names = set(orbax.leaves)
     if any(n.startswith("params/") for n in names):
-        from loaders.maxtext import MaxTextCheckpoint
+        from tpu_models.loaders.maxtext import MaxTextCheckpoint
         maxtext = MaxTextCheckpoint(path)
         return {"format": "MaxText", "layout": maxtext.layout_description(), "tensors": tensors,
                 "notes": [f"item directory: {orbax.item}", "opt_state, step and nnx_aux "
                           "entries are ignored by the exporter"]}
     if any("/attn/" in n for n in names):
-        from loaders.tunix import TunixCheckpoint
+        from tpu_models.loaders.tunix import TunixCheckpoint
         tunix = TunixCheckpoint(path)
         kind = "LoRA-only (qwix *_lora_a / *_lora_b)" if tunix.is_lora else "full weights"
         family = next((name for name, mapping in (tunix_families or {}).items()

@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from loaders.hf import CheckpointError
-from loaders.tables import PROJECTIONS
+from tpu_models.loaders.hf import CheckpointError
+from tpu_models.loaders.tables import PROJECTIONS
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -147,7 +147,7 @@ class LoraAdapter:
 
     def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
         """Writes the adapter in PEFT's format (atomically, one safetensors file)."""
-        from loaders.hf_writer import HfWriter
+        from tpu_models.loaders.hf_writer import HfWriter
         with HfWriter(out, overwrite=overwrite, weights_name="adapter_model",
                       max_shard_bytes=2**62) as writer:  # PEFT reads one file
             writer.add_all(self.peft_tensors().items())

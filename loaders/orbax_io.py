@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders.hf import CheckpointError
+from tpu_models.loaders.hf import CheckpointError
 
 # Item directories inside a step directory, in the order we look for them.
 ITEMS = ("items", "model_params", "default", "state", "params")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loaders.hf import CheckpointError, tensor_problems
+from tpu_models.loaders.hf import CheckpointError, tensor_problems
 
 # The HF decoder tensors our architectures share, `{i}` the layer (HF Linear
 # weights are [out, in]); each architecture's table (tpu_models/<arch>/checkpoints.py)

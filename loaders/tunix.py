@@ -22,9 +22,9 @@ import dataclasses
 
 import numpy as np
 
-from loaders.hf import CheckpointError
-from loaders.orbax_io import OrbaxCheckpoint
-from loaders.rules import Rule
+from tpu_models.loaders.hf import CheckpointError
+from tpu_models.loaders.orbax_io import OrbaxCheckpoint
+from tpu_models.loaders.rules import Rule
 
 # Tunix's MLP (both families), HF name -> Rule.
 MLP = {

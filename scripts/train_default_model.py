@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
+from tpu_models.benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
 
 CONFIG = dict(vocab=512, hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, mlp=576,
               rope_theta=10000.0, eps=1e-6, max_len=96)
@@ -207,7 +207,7 @@ def main():
 
     import orbax.checkpoint as ocp
 
-    from loaders.export import maxtext
+    from tpu_models.loaders.export import maxtext
     from tpu_models import registry
     run = work / "maxtext-run"
     ocp.PyTreeCheckpointer().save((run / "checkpoints" / str(args.steps) / "items").absolute(),

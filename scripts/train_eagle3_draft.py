@@ -35,8 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
-from loaders import eagle3  # noqa: E402
+from tpu_models.benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
+from tpu_models.loaders import eagle3  # noqa: E402
 from train_default_model import encode  # noqa: E402  (scripts/, beside this one)
 
 ROOT = Path(__file__).parents[1]

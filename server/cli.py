@@ -39,16 +39,16 @@ def main(argv: list[str] | None = None) -> None:
         # off libtpu, which would probe for TPUs and print warnings on other hosts.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if command == "serve":
-        from server import serve
+        from tpu_models.server import serve
         serve.main(rest)
     elif command == "export":
-        from server import export
+        from tpu_models.server import export
         export.main(rest)
     elif command == "inspect":
         if len(rest) != 1 or rest[0].startswith("-"):
             sys.exit("usage: tpu-models inspect CKPT_DIR")
-        from loaders.hf import CheckpointError
-        from loaders.inspect import print_description
+        from tpu_models.loaders.hf import CheckpointError
+        from tpu_models.loaders.inspect import print_description
         from tpu_models import registry
         families = {a.export_name: a.tunix for a in registry.architectures() if a.tunix}
         try:
@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         except CheckpointError as e:
             sys.exit(f"tpu-models inspect: {e}")
     elif command == "bench":
-        from tpu_models import compat
+        from tpu_models import host
         # `bench step` and `bench quant` run tpu-inference in this process: on this
         # host's CPU unless it has a TPU, and never asking the cloud metadata server.
-        compat.setup_host()
+        host.setup_host()
         _command("bench")(rest)
     else:
         sys.exit(f"tpu-models: unknown command {command!r}\n{USAGE}")

@@ -5,7 +5,7 @@ import json
 import signal
 import sys
 
-from loaders.hf import CheckpointError
+from tpu_models.loaders.hf import CheckpointError
 from tpu_models import registry
 
 
@@ -90,24 +90,24 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         if args.kind == "lora-merge":
-            from loaders.export import lora_merge
+            from tpu_models.loaders.export import lora_merge
             out = lora_merge(args.base, args.adapter, args.out,
                              arch=registry.for_checkpoint(args.base), overwrite=args.overwrite)
         elif args.kind == "maxtext":
-            from loaders.export import maxtext
+            from tpu_models.loaders.export import maxtext
             out = maxtext(args.checkpoint, registry.by_export_name(args.model), args.out,
                           tokenizer=args.tokenizer,
                           dtype=args.dtype, overrides=_overrides(args.set), scan=args.scan,
                           scan_axis=args.param_scan_axis, overwrite=args.overwrite,
                           max_shard_bytes=args.max_shard_size, progress="maxtext -> HF")
         elif args.kind == "tunix":
-            from loaders.export import tunix
+            from tpu_models.loaders.export import tunix
             out = tunix(args.checkpoint, args.base, args.out,
                         arch=registry.for_checkpoint(args.base), lora_alpha=args.lora_alpha,
                         adapter_only=args.adapter_only, dtype=args.dtype,
                         overwrite=args.overwrite, progress="tunix -> HF")
         elif args.kind == "gemma3-text":
-            from loaders.export import gemma3_text
+            from tpu_models.loaders.export import gemma3_text
             out = gemma3_text(args.source, args.out, gemma3_text_config(args.source),
                               arch=registry.by_hf_name("Gemma3ForCausalLM"),
                               overwrite=args.overwrite)

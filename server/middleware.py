@@ -47,14 +47,14 @@ class ReadyLine:
 def _log_ready(state) -> None:
     from tpu_inference.logger import init_logger
 
-    from tpu_models import compat
+    from tpu_models import host
     config = state.vllm_config
     model, cache = config.model_config, config.cache_config
     tokens, concurrency = cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency
     capacity = (f"KV cache {tokens:,} tokens, {concurrency:.2f} requests at --max-model-len "
                 f"{model.max_model_len:,}" if tokens is not None and concurrency is not None
                 else "KV cache size unknown")
-    platform = compat.host_platform() or "tpu"
+    platform = host.host_platform() or "tpu"
     init_logger("tpu_models.ready").info(
         "tpu-models: ready: %s (%s, %s), %s, %s", model.served_model_name,
         str(model.dtype).removeprefix("torch."), platform, capacity,

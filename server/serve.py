@@ -2,7 +2,7 @@
 
 On a TPU host it is `MODEL_IMPL_TYPE=flax_nnx vllm serve MODEL ...`. Elsewhere it
 also points JAX at the host (JAX_PLATFORMS=cpu unless set) and gives
-tpu-inference a TPU identity (tpu_models.compat.setup_host), which switches on
+tpu-inference a TPU identity (tpu_models.host.setup_host), which switches on
 the compatibility layer's host portability in every vLLM process. Everything
 it does not know is passed to `vllm serve` unchanged.
 """
@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from quant import rules as quant_rules
-from server import middleware
-from tpu_models import compat
+from tpu_models.quant import rules as quant_rules
+from tpu_models.server import middleware
+from tpu_models import host
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_NAME = "qwen3-structural-demo"
@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
         usage="tpu-models serve [MODEL] [options] [vllm serve options]",
         description="Serve MODEL (an HF checkpoint directory; default: the embedded demo "
                     "model) with vLLM's TPU backend. Options not listed here go to `vllm serve`.")
-    p.add_argument("--device", choices=["auto", *compat.DEVICES], default="auto",
+    p.add_argument("--device", choices=["auto", *host.DEVICES], default="auto",
                    help="where JAX runs (auto: TPU if this host has one, else CPU)")
     p.add_argument("--lora", metavar="ADAPTER_DIR",
                    help="merge this PEFT LoRA adapter into the weights while loading "
@@ -70,7 +70,7 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     args, vllm_args = parser().parse_known_args(argv)
     env = dict(env)
     env.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
-    platform = compat.setup_host(args.device, env)
+    platform = host.setup_host(args.device, env)
     if platform == "cpu" and not _given(vllm_args, "--dtype"):
         # XLA:CPU has no fast bfloat16 matmul (about 12x slower than float32 here).
         vllm_args += ["--dtype", "float32"]
@@ -105,11 +105,11 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         vllm_args = _with_additional_config(vllm_args, {"check_weights": True})
     if args.quant:
         vllm_args = _with_additional_config(vllm_args, quant_rules.additional_config(args.quant))
-    vllm_args += ["--middleware", "server.middleware.TpuModels"]
+    vllm_args += ["--middleware", "tpu_models.server.middleware.TpuModels"]
     if not _given(vllm_args, "--host"):
         vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
     env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
-    command = [sys.executable, "-m", "server.vllm_main", "serve", model, *vllm_args]
+    command = [sys.executable, "-m", "tpu_models.server.vllm_main", "serve", model, *vllm_args]
     return command, env
 
 

@@ -2,11 +2,11 @@
 
 import os
 
-from tpu_models import compat  # imports nothing heavy
+from tpu_models import host  # imports nothing heavy
 
 # Before anything imports tpu_inference: JAX on CPU, and a TPU identity so that
 # tpu-inference never asks the cloud metadata server who it is.
-compat.setup_host("cpu")
+host.setup_host("cpu")
 os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Test servers compile the shapes they meet instead of every bucket up front
@@ -24,7 +24,7 @@ DEMO_API_KEY = "test-key"
 def demo_server(tmp_path_factory):
     """`tpu-models serve` with no model (the embedded demo), as the README starts it, plus
     an API key; shared by the demo, request-validation, soak and benchmark smoke tests."""
-    from server.process import Server
+    from tpu_models.benchmarks.process import Server
     log = tmp_path_factory.mktemp("demo-server") / "serve.log"
     with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20),
                 log=log, api_key=DEMO_API_KEY, env={"SKIP_JAX_PRECOMPILE": "0"}) as server:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cli as bench_cli
-from benchmarks import serving
-from server import cli
-from server.serve import DEFAULT_MODEL
+from tpu_models.benchmarks import cli as bench_cli
+from tpu_models.benchmarks import serving
+from tpu_models.server import cli
+from tpu_models.server.serve import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +59,7 @@ def test_bench_serve_against_a_running_server(demo_server, tmp_path):
 
 def test_bench_compare_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("SKIP_JAX_PRECOMPILE", "1")  # two servers: start them fast
-    from benchmarks.compare import compare
+    from tpu_models.benchmarks.compare import compare
     result = compare(concurrencies=[2], input_len=16, output_len=8, num_prompts=4, rounds=2,
                      shape={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
                             "vocab_size": 512},

@@ -2,9 +2,9 @@
 
 import pytest
 
-from benchmarks.demo_data import held_out
-from benchmarks.demo_quality import evaluate
-from server.serve import DEFAULT_NAME
+from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.demo_quality import evaluate
+from tpu_models.server.serve import DEFAULT_NAME
 
 pytestmark = pytest.mark.e2e
 NUM = 48  # held-out requests per check

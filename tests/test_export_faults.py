@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loaders import hf_writer
-from loaders.export import lora_merge, maxtext
-from loaders.hf import CheckpointError, HfCheckpoint
-from loaders.hf_writer import HfWriter, check_out
+from tpu_models.loaders import hf_writer
+from tpu_models.loaders.export import lora_merge, maxtext
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.loaders.hf_writer import HfWriter, check_out
 from tpu_models import registry
 
 QWEN3 = registry.by_hf_name("Qwen3ForCausalLM")
@@ -33,7 +33,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "maxtext" / "qwen3_unscanned"
 # "_flush" once one shard is on disk, "_move_into_place" with every file written.
 STOPPED_CLI = """
 import os, sys, time
-from loaders import hf_writer
+from tpu_models.loaders import hf_writer
 stage, signal_file = os.environ["STOP_AT"], os.environ["STOP_SIGNAL"]
 original, calls = getattr(hf_writer.HfWriter, stage), []
 def stop(self, *args, **kwargs):
@@ -44,7 +44,7 @@ def stop(self, *args, **kwargs):
         time.sleep(600)
     return original(self, *args, **kwargs)
 setattr(hf_writer.HfWriter, stage, stop)
-from server.cli import main
+from tpu_models.server.cli import main
 main(sys.argv[1:])
 """
 
@@ -55,7 +55,7 @@ def export_args(out: Path, *extra: str) -> list[str]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tpu_models.server.cli", *args], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env={**os.environ,
                                                                  "JAX_PLATFORMS": "cpu"})
 

@@ -17,11 +17,11 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from loaders.export import maxtext
-from loaders.hf import CheckpointError, HfCheckpoint
-from loaders.maxtext import hf_to_maxtext
+from tpu_models.loaders.export import maxtext
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.benchmarks.checkpoints import hf_to_maxtext
 from tpu_models.registry import by_export_name as arch
-from tpu_models.stepper import Stepper
+from tpu_models.benchmarks.stepper import Stepper
 from tests.tiny import Reference, make_gemma3, make_qwen3, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"
@@ -225,7 +225,7 @@ def test_truncated_checkpoint_and_existing_output(small_run, tmp_path):
 def test_cli_writes_shards_index_tokenizer_and_inspect_reads_them(tmp_path):
     tokenizer = tmp_path / "tok"
     make_tokenizer(tokenizer, 512)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "server.cli", *a], capture_output=True,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tpu_models.server.cli", *a], capture_output=True,
                                     text=True, timeout=300)
     result = run("export", "maxtext", str(FIXTURES / "gemma3_14l_scanned"), "--model", "gemma3",
                  "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer),

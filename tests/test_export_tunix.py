@@ -15,10 +15,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from loaders import export
-from loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.loaders import export
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models import registry
-from tpu_models.stepper import Stepper
+from tpu_models.benchmarks.stepper import Stepper
 from tests.tiny import Reference, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tunix"
@@ -84,7 +84,7 @@ def test_full_and_lora_exports_compute_what_tunix_computed(variant, tmp_path):
 def test_cli_and_bfloat16_output(tmp_path):
     base = hf_config_dir("qwen3_tied", tmp_path)
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "export", "tunix",
+        [sys.executable, "-m", "tpu_models.server.cli", "export", "tunix",
          str(FIXTURES / "qwen3_tied" / "full_ckpt"), "--base", str(base), "--out",
          str(tmp_path / "out"), "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

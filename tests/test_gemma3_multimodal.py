@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpu_models.stepper import Stepper
+from tpu_models.benchmarks.stepper import Stepper
 from tests.tiny import make_tokenizer
 
 
@@ -34,7 +34,7 @@ def multimodal(tmp_path_factory):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tpu_models.server.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

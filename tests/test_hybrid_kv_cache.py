@@ -1,13 +1,13 @@
 """Gemma 3's local layers keep only their window of KV pages (vLLM's hybrid KV
-cache manager on the flax_nnx path, tpu_models.compat), and still give
+cache manager on the flax_nnx path, tpu_models.adapt.kv_cache), and still give
 transformers' greedy tokens: long prompts, long generations, a reused prefix,
 chunked prefill and a 30,000-token prompt, through the real `vllm serve`."""
 
 import numpy as np
 import pytest
 
-from benchmarks import serving
-from server.process import Server, launched
+from tpu_models.benchmarks import serving
+from tpu_models.benchmarks.process import Server, launched
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_gemma3, make_qwen3
 

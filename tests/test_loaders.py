@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models import registry
-from tests.tiny import make_qwen3, reshard
+from tests.tiny import check_exactly, make_qwen3, reshard
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_single_and_sharded_list_the_same_tensors(checkpoint, tmp_path):
     assert len(sharded.files) == 3
     assert {n: i.shape for n, i in single.tensors.items()} == \
         {n: i.shape for n, i in sharded.tensors.items()}
-    sharded.check(registry.for_checkpoint(checkpoint).hf_table(
+    check_exactly(sharded, registry.for_checkpoint(checkpoint).hf_table(
         json.loads((checkpoint / "config.json").read_text()))[0])
     streamed = dict(sharded.iter_tensors())
     assert torch.equal(streamed["structural_head.bias"],
@@ -56,7 +56,7 @@ def test_check_names_missing_unexpected_and_misshapen(checkpoint):
     table["model.norm.weight"] = (65, )
     table["model.layers.9.mlp.up_proj.weight"] = (128, 64)
     with pytest.raises(CheckpointError) as error:
-        HfCheckpoint(checkpoint).check(table)
+        check_exactly(HfCheckpoint(checkpoint), table)
     message = str(error.value)
     assert "missing tensor model.layers.9.mlp.up_proj.weight (expected shape [128, 64])" in message
     assert "tensor model.norm.weight in model.safetensors has shape [64], expected [65]" in message
@@ -114,7 +114,7 @@ def test_weights_are_cast_to_the_served_dtype_quantized_ones_and_scales_are_not(
 
 
 def test_eagle3_draft_writer_checks_tensors_against_its_config(tmp_path):
-    from loaders import eagle3
+    from tpu_models.loaders import eagle3
 
     target = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "vocab_size": 384}

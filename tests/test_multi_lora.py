@@ -10,7 +10,7 @@ import pytest
 from vllm.lora.request import LoRARequest
 
 from tpu_models.lora import AdapterError
-from tpu_models.stepper import Stepper
+from tpu_models.benchmarks.stepper import Stepper
 from tests.tiny import Reference, make_lora
 
 # Different ranks, targets and scalings: every projection, rsLoRA, a rank-2 pair.
@@ -180,7 +180,7 @@ def test_served_adapters_share_batches_load_and_unload(qwen3, tmp_path):
     a 400 that names them while the server keeps serving."""
     import requests as http
 
-    from server.process import Server
+    from tpu_models.benchmarks.process import Server
 
     adapters = adapters_for(qwen3, tmp_path)
     references = {"tiny": Reference(qwen3)} | {
@@ -235,7 +235,7 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
     import sys
     from pathlib import Path
 
-    from server.process import Server
+    from tpu_models.benchmarks.process import Server
     from tests.test_export_tunix import FIXTURES, fixture, hf_config_dir, tunix
 
     meta, tokens = fixture("gemma3")
@@ -268,7 +268,7 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
 
 @pytest.mark.e2e
 def test_a_bad_lora_modules_entry_stops_start_up_naming_it(qwen3, tmp_path):
-    from server.process import Server
+    from tpu_models.benchmarks.process import Server
 
     bad = make_lora(qwen3, tmp_path / "biased", r=2)
     edit_config(bad, bias="lora_only")
@@ -279,7 +279,7 @@ def test_a_bad_lora_modules_entry_stops_start_up_naming_it(qwen3, tmp_path):
 
 
 def test_merging_and_per_request_adapters_are_not_mixed(tmp_path):
-    from server.serve import build_command
+    from tpu_models.server.serve import build_command
 
     with pytest.raises(ValueError, match="--lora .* or --enable-lora"):
         build_command(["--lora", str(tmp_path), "--enable-lora"], {})
@@ -329,7 +329,7 @@ def test_adapters_shard_like_their_base_weights(tmp_path):
 def test_adapters_on_a_qwix_quantized_base(qwen3, tmp_path):
     """int8 weight-only base (a Qwix preset) with an adapter in a slot: off peft's
     merged fp32 model by the quantization error alone, far less than the adapter moves it."""
-    from benchmarks.quant_quality import build
+    from tpu_models.benchmarks.quant_quality import build
 
     adapter = make_lora(qwen3, tmp_path / "adapter", r=8, seed=5)
     request = LoRARequest("q", 1, str(adapter))

@@ -38,9 +38,9 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from quant import checkpoint as prequantized
-from quant import rules
-from server.serve import DEFAULT_MODEL, build_command
+from tpu_models.quant import checkpoint as prequantized
+from tpu_models.quant import rules
+from tpu_models.server.serve import DEFAULT_MODEL, build_command
 from tests.tiny import Reference, make_gemma3
 
 DEMO = DEFAULT_MODEL  # the trained Qwen3-structural demo (decisive, JSON answers)
@@ -199,7 +199,7 @@ def test_quant_flag_passes_rules_as_tpu_inference_additional_config(tmp_path):
 
 
 def test_serve_refuses_a_bad_rules_file_before_starting(tmp_path, monkeypatch):
-    from server import serve
+    from tpu_models.server import serve
     path = tmp_path / "rules.yaml"
     path.write_text("qwix:\n  rules:\n    - module_path: '.*norm'\n"
                     "    - {module_path: '.*_proj', weight_qtype: int9}\n")
@@ -288,7 +288,7 @@ class Model:
     """One checkpoint at model level: its unquantized logits, then quantized variants."""
 
     def __init__(self, directory, sequences):
-        from benchmarks import quant_quality
+        from tpu_models.benchmarks import quant_quality
         self.qq, self.directory, self.sequences = quant_quality, directory, sequences
         base = quant_quality.build(directory)
         self.vocab_size = base.vllm_config.model_config.hf_config.vocab_size
@@ -306,7 +306,7 @@ class Model:
 
 @pytest.fixture(scope="module")
 def demo_model():
-    from benchmarks.quant_quality import demo_sequences
+    from tpu_models.benchmarks.quant_quality import demo_sequences
     return Model(DEMO, demo_sequences(DEMO, 8)[1])
 
 
@@ -354,7 +354,7 @@ def test_prequantized_fp8_checkpoint_loads_through_tpu_inference_methods(arch, r
     ({"ignore": ["structural_head"]}, "lm_head is quantized"),
 ])
 def test_unsupported_prequantized_checkpoints_are_refused_by_name(change, why, tmp_path):
-    from benchmarks.quant_quality import build
+    from tpu_models.benchmarks.quant_quality import build
     checkpoint = write_fp8_checkpoint(DEMO, tmp_path / "ckpt", {**FP8_DYNAMIC, **change})
     with pytest.raises(prequantized.UnsupportedQuantization, match=re.escape(why)) as error:
         build(checkpoint)
@@ -362,14 +362,14 @@ def test_unsupported_prequantized_checkpoints_are_refused_by_name(change, why, t
 
 
 def test_qwix_rules_on_a_prequantized_checkpoint_are_refused(tmp_path):
-    from benchmarks.quant_quality import build
+    from tpu_models.benchmarks.quant_quality import build
     checkpoint = write_fp8_checkpoint(DEMO, tmp_path / "fp8")
     with pytest.raises(prequantized.UnsupportedQuantization, match="already quantized"):
         build(checkpoint, "int8")
 
 
 def test_kv_cache_dtype_our_attention_cannot_store_is_refused_by_name():
-    from benchmarks.quant_quality import build
+    from tpu_models.benchmarks.quant_quality import build
     with pytest.raises(ValueError, match="--kv-cache-dtype int8_per_token_head is not supported"):
         build(DEMO, "kv:int8_per_token_head")
 
@@ -426,7 +426,7 @@ class ServerQueue:
         self.servers = {}
 
     def launch(self, index: int) -> None:
-        from server.process import Server
+        from tpu_models.benchmarks.process import Server
         if index in self.servers:
             return
         preset, arch, extra = SERVED[index]
@@ -478,7 +478,7 @@ def expectations(gemma3):
     def get(arch: str) -> dict:
         if arch not in cache:
             if arch == "qwen3":
-                from benchmarks.quant_quality import demo_sequences
+                from tpu_models.benchmarks.quant_quality import demo_sequences
                 directory = DEMO
                 prompts, sequences = demo_sequences(DEMO, 8)
             else:

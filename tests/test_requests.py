@@ -7,8 +7,8 @@ import psutil
 import pytest
 import requests
 
-from benchmarks import soak
-from server.serve import DEFAULT_NAME
+from tpu_models.benchmarks import soak
+from tpu_models.server.serve import DEFAULT_NAME
 
 pytestmark = pytest.mark.e2e
 MAX_MODEL_LEN = 256  # the demo_server fixture's --max-model-len

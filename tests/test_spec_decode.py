@@ -2,7 +2,7 @@
 the same greedy tokens as without it, 16 requests at once, guided (JSON
 schema) and free ones in one batch, while vLLM counts accepted draft tokens.
 
-Guided requests need tpu_models.compat's grammar rows: vLLM sends a bitmask
+Guided requests need tpu_models.adapt.structured_output's grammar rows: vLLM sends a bitmask
 row per request *and draft position*, tpu-inference 0.32.0 reads one per
 request, so later requests were masked by another's grammar (HTTP 500)."""
 
@@ -12,10 +12,10 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import demo_quality, serving
-from benchmarks.demo_data import held_out
-from server.process import Server, launched
-from server.serve import DEFAULT_NAME, SPECULATIVE
+from tpu_models.benchmarks import demo_quality, serving
+from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.process import Server, launched
+from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_eagle3_draft, make_gemma3
 
@@ -120,14 +120,14 @@ def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
 def test_the_eagle3_draft_computes_in_the_served_dtype():
     """tpu-inference 0.32.0 builds its EAGLE-3 draft computing in bfloat16 whatever
     --dtype says: served in float32, the draft's matmuls ran in bfloat16, which
-    XLA:CPU runs about 12x slower (compat._drafts_in_the_served_dtype)."""
+    XLA:CPU runs about 12x slower (adapt.speculative.drafts_in_the_served_dtype)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import Mesh
 
-    from server.serve import DEFAULT_MODEL
-    from tpu_models.stepper import load_plugins
+    from tpu_models.server.serve import DEFAULT_MODEL
+    from tpu_models.benchmarks.stepper import load_plugins
 
     load_plugins()
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
@@ -147,14 +147,14 @@ def test_the_eagle3_draft_computes_in_the_served_dtype():
 def test_the_eagle3_draft_places_its_logits_in_the_target_vocabulary():
     """EAGLE-3's draft vocabulary maps into the target's by id offsets (target id
     = draft id + d2t[draft id]); every target id without a draft id gets -inf.
-    compat._draft_logits_gathered does this with a gather instead of
+    adapt.speculative.draft_logits_gathered does this with a gather instead of
     tpu-inference's scatter: checked against the mapping, in numpy, for a draft
     vocabulary smaller than the target's and offsets that reorder ids."""
     from types import SimpleNamespace
 
     import jax.numpy as jnp
 
-    from tpu_models.stepper import load_plugins
+    from tpu_models.benchmarks.stepper import load_plugins
 
     load_plugins()
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
@@ -176,7 +176,7 @@ def test_the_eagle3_draft_places_its_logits_in_the_target_vocabulary():
 
 
 def test_speculative_presets_map_onto_speculative_config(tmp_path):
-    from server.serve import EAGLE3_DRAFT, SPECULATIVE, build_command
+    from tpu_models.server.serve import EAGLE3_DRAFT, SPECULATIVE, build_command
 
     for name, config in SPECULATIVE.items():
         command, _ = build_command(["--speculative", name], {})

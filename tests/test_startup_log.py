@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from server.process import Server, launched
+from tpu_models.benchmarks.process import Server, launched
 from tpu_models import logs
 
 SILENCED = [prefix for table in (logs.OFF_TPU, logs.ALWAYS) for prefixes in table.values()
@@ -103,16 +103,16 @@ def test_demo_server_log_tells_the_truth(tmp_path):
 
 
 def test_off_tpu_the_engine_core_is_forked_and_compiles_in_parallel():
-    from tpu_models import compat
+    from tpu_models import host
 
     env = {}
-    assert compat.setup_host("cpu", env) == "cpu"
+    assert host.setup_host("cpu", env) == "cpu"
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"  # no second import of vLLM
     assert int(env["NUM_PRECOMPILE_WORKERS"]) >= 1
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
     mine = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "NUM_PRECOMPILE_WORKERS": "1"}
-    compat.setup_host("cpu", mine)
+    host.setup_host("cpu", mine)
     assert mine["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and mine["NUM_PRECOMPILE_WORKERS"] == "1"
     on_tpu = {}
-    assert compat.setup_host("tpu", on_tpu) is None
+    assert host.setup_host("tpu", on_tpu) is None
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in on_tpu and "NUM_PRECOMPILE_WORKERS" not in on_tpu

@@ -22,6 +22,13 @@ CORPUS = [
 ] * 20
 
 
+def check_exactly(checkpoint, expected: dict, *, optional=()) -> None:
+    """Raises CheckpointError unless an HfCheckpoint holds exactly `expected` (plus `optional`)."""
+    from tpu_models.loaders.hf import check_tensors
+    check_tensors({n: (i.shape, i.file.name) for n, i in checkpoint.tensors.items()}, expected,
+                  optional=optional, where=str(checkpoint.directory))
+
+
 def make_tokenizer(directory: Path, vocab_size: int = 384):
     """A byte-level BPE tokenizer with Qwen-style special tokens and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -246,7 +253,7 @@ def make_eagle3_draft(target: Path, out: Path, *, aux_layers: tuple[int, ...],
     """An EAGLE-3 draft for `target` with random layers and a draft vocabulary
     of one token, `propose` (d2t maps it there): it always proposes `propose`,
     so a target that often emits that token accepts some drafts."""
-    from loaders import eagle3
+    from tpu_models.loaders import eagle3
 
     target_config = json.loads((Path(target) / "config.json").read_text())
     config = eagle3.draft_config(target_config, aux_layers=aux_layers, intermediate_size=128,

@@ -29,6 +29,7 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from vllm.config import VllmConfig
 
 from tpu_models import registry, runtime
+from tpu_models.adapt import guard
 from tpu_models.lora import AdapterSlots, LoraBatch
 from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
@@ -182,6 +183,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
     layer_class: type[DecoderLayer]
 
     def __init__(self, vllm_config: VllmConfig, rng_key: jax.Array, mesh: Mesh):
+        guard.require(vllm_config, type(self))  # features whose adaptation cannot apply
         settings = runtime.EngineSettings.from_vllm_config(vllm_config, mesh)
         self.vllm_config = vllm_config
         self.cfg = cfg = self.config_class.from_hf_config(
@@ -199,7 +201,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
     @classmethod
     def sliding_windows(cls, hf_config) -> list[int | None]:
         """Each layer's sliding window (None: full attention), for the KV-cache
-        specs the engine groups layers by (tpu_models.compat)."""
+        specs the engine groups layers by (tpu_models.adapt.kv_cache)."""
         cfg = cls.config_class.from_hf_config(hf_config, dtype=jnp.float32)
         return [layer.sliding_window for layer in cfg.layers]
 

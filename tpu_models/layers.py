@@ -188,7 +188,7 @@ class Attention(JaxModule):
     """q/k/v/o projections, optional q/k norms, RoPE, and paged attention.
 
     `qk_norm` builds the per-head norms (None: none). The kernel is the
-    tpu-inference attention backend `compat.attention_backend` picks: the
+    tpu-inference attention backend `runtime.attention_backend` picks: the
     engine's (RPA) on TPU, the portable kernel elsewhere or when
     `--attention-backend portable` asks for it.
     """

@@ -5,7 +5,7 @@ why it is dropped. A filter sits on that logger only, so anything else it says
 (a real failure included) still reaches the log. Installed by
 `server/vllm_main.py` before vLLM starts, in every vLLM process (forked ones
 inherit them, spawned ones re-import it), and by the plugin
-(tpu_models.compat.install).
+(tpu_models.adapt.apply).
 Imports nothing heavy: it runs before vLLM is imported.
 """
 
@@ -86,7 +86,7 @@ class _EngineStoppedBySignal(logging.Filter):
 
 def quiet() -> None:
     """Installs the filters in this process (idempotent)."""
-    from tpu_models.compat import host_platform  # a light module: os, sys, glob
+    from tpu_models.host import host_platform  # standard library only
     off_tpu = host_platform() is not None
     filters = [(name, _DropMessages(prefixes))
                for table in ([ALWAYS, OFF_TPU] if off_tpu else [ALWAYS])

@@ -12,9 +12,9 @@ off the model gets no batch and runs exactly as before.
 
 `AdapterSlots` is the engine's LoRA manager for our models (what vLLM's
 LRUCacheWorkerLoRAManager is to its PyTorch models): it reads and checks PEFT
-adapters (loaders.lora), keeps up to --max-cpu-loras of them on the host, and
+adapters (tpu_models.loaders.lora), keeps up to --max-cpu-loras of them on the host, and
 puts the ones a batch uses into the --max-loras slots, least recently used out
-first. tpu_models.compat hands it vLLM's LoRA requests.
+first. tpu_models.adapt.lora hands it vLLM's LoRA requests.
 
 Shapes: T tokens, S slots, R --max-lora-rank; a projection's input and output
 axes as in its kernel (q_proj: in D, out N H; o_proj: in N H, out D).
@@ -32,9 +32,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tpu_inference.layers.jax.linear import JaxEinsum
 
-from loaders.hf import CheckpointError
-from loaders.lora import LoraAdapter
-from loaders.tables import PROJECTIONS
+from tpu_models.loaders.hf import CheckpointError
+from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.tables import PROJECTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """vLLM general plugin: adapts tpu-inference, then puts our architectures into its registry.
 
 vLLM runs it in every process (API server, engine core, workers), possibly more
-than once, so it only patches (tpu_models.compat) and registers, idempotently.
+than once, so it only adapts (tpu_models.adapt) and registers, idempotently.
 """
 
 
@@ -10,10 +10,10 @@ def register() -> None:
         _REGISTERED_BACKENDS, register_attention_backend)
     from tpu_inference.models.common.model_loader import _MODEL_REGISTRY, register_model
 
-    from tpu_models import compat, registry
+    from tpu_models import adapt, registry
     from tpu_models.attention import PortableAttentionBackend
 
-    compat.install()
+    adapt.apply()
     for arch in registry.architectures():
         if arch.model is None or arch.hf_name in _MODEL_REGISTRY:
             continue

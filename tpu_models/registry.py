@@ -29,7 +29,7 @@ class Architecture:
     hf_table: Callable[[Any], tuple[dict[str, tuple[int, ...]], tuple[str, ...]]]
     model: str | None = None  # "module:Class" of our NNX model; None: tpu-inference's own serves it
     new_to_vllm: bool = False  # vLLM has no PyTorch class for it: register a placeholder there too
-    maxtext: Any = None  # loaders.maxtext.MaxTextMapping, if MaxText trains it
+    maxtext: Any = None  # tpu_models.loaders.maxtext.MaxTextMapping, if MaxText trains it
     tunix: Any = None  # loaders.tunix.TunixMapping, if Tunix trains it
     # Linear modules beyond the shared decoder's projections (the structural head):
     # pre-quantized checkpoints may store them quantized; Qwix presets keep them in full precision.
@@ -72,6 +72,6 @@ def for_config(config: Mapping | Any) -> Architecture:
 
 
 def for_checkpoint(directory: str | Path) -> Architecture:
-    from loaders.tables import read_config
+    from tpu_models.loaders.tables import read_config
     config, _ = read_config(directory)
     return for_config(config)

@@ -12,11 +12,11 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from tpu_inference.utils import get_mesh_shape_product, to_torch_dtype
 from vllm.config import VllmConfig
 
-from loaders.hf import CheckpointError, HfCheckpoint, check_finite
-from loaders.lora import LoraAdapter
-from loaders.tables import check_checkpoint
-from quant import checkpoint as prequantized
-from tpu_models import compat
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_finite
+from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.tables import check_checkpoint
+from tpu_models.quant import checkpoint as prequantized
+from tpu_models.host import host_platform
 
 logger = init_logger(__name__)
 
@@ -53,9 +53,21 @@ class EngineSettings:
             dtype=vllm_config.model_config.dtype,
             quant_config=getattr(vllm_config, "quant_config", None),
             kv_cache_dtype=kv_cache_dtype,
-            attention_backend=compat.attention_backend(vllm_config),
+            attention_backend=attention_backend(vllm_config),
             vocab_shards=get_mesh_shape_product(mesh, ShardingAxisName.VOCAB),
             head_shards=get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD))
+
+
+def attention_backend(vllm_config: VllmConfig) -> AttentionBackend:
+    """The engine's configured backend on TPU; the portable kernel elsewhere (RPA's
+    Pallas kernel needs a TPU)."""
+    from tpu_inference.layers.common.attention_backend import (attention_backend_name,
+                                                               create_attention_backend)
+    name = attention_backend_name(vllm_config)
+    if host_platform() is not None:
+        from tpu_models.attention import PortableAttentionBackend
+        name = PortableAttentionBackend.name
+    return create_attention_backend(name)
 
 
 def check_prequantized(vllm_config: VllmConfig) -> None:

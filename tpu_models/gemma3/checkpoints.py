@@ -9,10 +9,10 @@ many KV heads as query heads (qkv_einsum).
 
 import math
 
-from loaders import tables
-from loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
-from loaders.rules import Rule
-from loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
+from tpu_models.loaders import tables
+from tpu_models.loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
+from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
 from tpu_models.registry import Architecture
 
 # --- HF ---------------------------------------------------------------------------

@@ -6,10 +6,10 @@ Qwen3-structural is an HF Qwen3 checkpoint plus `structural_head.weight` [D, D]
 served by tpu-inference's own model; it is here for export and LoRA merges.
 """
 
-from loaders import tables
-from loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
-from loaders.rules import Rule
-from loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
+from tpu_models.loaders import tables
+from tpu_models.loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
+from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
 from tpu_models.registry import Architecture
 
 # --- HF ---------------------------------------------------------------------------

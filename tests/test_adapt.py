@@ -5,14 +5,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_models.stepper import load_plugins
+from tpu_models.benchmarks.stepper import load_plugins
 
 
 def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
     """tpu-inference's runner puts a step's inputs in tuples, then refills the
     same host buffers for the next step while this one may still run: the
     device must hold a copy, with the values, dtypes and sharding
-    jax.device_put gives (compat._copy_host_inputs hands the copies to jit's
+    jax.device_put gives (adapt.host_portability.copy_host_inputs hands the copies to jit's
     own argument transfer instead)."""
     load_plugins()
     from tpu_inference.layers.common import utils
@@ -48,19 +48,19 @@ def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
 def test_an_in_process_engine_exits_without_a_traceback():
     """vllm.LLM in-process walked the runner's (flax) model as a torch module
     when the engine was collected: every such run ended in an AttributeError
-    traceback (compat._engine_cleanup_of_torch_models_only)."""
+    traceback (adapt.engine.engine_cleanup_of_torch_models_only)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     script = ("import vllm\n"
-              "from server.serve import DEFAULT_MODEL\n"
+              "from tpu_models.server.serve import DEFAULT_MODEL\n"
               "llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype='float32', max_model_len=64,\n"
               "               kv_cache_memory_bytes=16 << 20)\n"
               "out = llm.generate(['{\"name\":'], vllm.SamplingParams(max_tokens=4, temperature=0))\n"
               "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
-    # `python -c` from the repo root imports server/ as the tests do
+    # `python -c` from the repo root, as the export tests run theirs
     run = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1],
                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                          capture_output=True, text=True, timeout=300)

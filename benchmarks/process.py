@@ -52,7 +52,7 @@ class Server:
         if api_key:
             args = (*args, "--api-key", api_key)
         self.url = f"http://127.0.0.1:{self.port}"
-        base = command or [sys.executable, "-m", "server.cli", "serve"]
+        base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
         self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
         self.log_path = log
         self.env = {**os.environ, **(env or {})}

@@ -1,0 +1,117 @@
+"""The package's shape: one import root, imports one way with no loop, short files,
+the ledger of adaptations in step with the code, a README for users."""
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# Room -> the rooms it may import (shared/ARCHITECTURE.md); "models" is the root's own modules.
+ROOMS = {
+    "loaders": {"loaders"},
+    "quant": {"quant", "loaders"},
+    "models": {"models", "loaders", "quant"},
+    "server": {"server", "models", "loaders", "quant"},
+    "benchmarks": {"benchmarks", "server", "models", "loaders", "quant"},
+}
+
+
+def package_dirs() -> dict[str, Path]:
+    """Installed package -> its folder in the repository (pyproject's package-dir)."""
+    mapping = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    dirs = {}
+    for package in PYPROJECT["tool"]["setuptools"]["packages"]:
+        parent = next((p for p in sorted(mapping, key=len, reverse=True)
+                       if package == p or package.startswith(p + ".")), None)
+        base = ROOT / mapping[parent] if parent else ROOT
+        rest = package[len(parent) + 1:] if parent else package
+        dirs[package] = base.joinpath(*rest.split(".")) if rest else base
+    return dirs
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "models"
+
+
+@pytest.fixture(scope="module")
+def imports(tmp_path_factory) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (lazy imports too), read by grimp from the
+    package laid out as the wheel installs it."""
+    tree = tmp_path_factory.mktemp("installed")
+    for package, directory in package_dirs().items():
+        target = tree.joinpath(*package.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for file in directory.glob("*.py"):
+            shutil.copy(file, target / file.name)
+    script = ("import grimp, json\n"
+              "g = grimp.build_graph('tpu_models', cache_dir=None)\n"
+              "print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) "
+              "for m in g.modules}))\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tree, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    import json
+    return {m: set(deps) for m, deps in json.loads(run.stdout).items()}
+
+
+def test_every_module_is_under_one_import_root(imports):
+    assert set(PYPROJECT["tool"]["setuptools"]["packages"]) <= set(imports)
+    assert all(m.split(".")[0] == "tpu_models" for m in imports)
+    on_disk = {p.stem for d in package_dirs().values() for p in d.glob("*.py")}
+    assert {m.rsplit(".", 1)[-1] for m in imports} >= on_disk - {"__init__"}
+
+
+def test_no_import_loop(imports):
+    import networkx as nx
+    graph = nx.DiGraph([(m, d) for m, deps in imports.items() for d in deps])
+    loops = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert not loops, f"import loops: {loops}"
+
+
+def test_rooms_import_one_way(imports):
+    wrong = sorted(f"{m} -> {d}" for m, deps in imports.items() for d in deps
+                   if room(d) not in ROOMS[room(m)])
+    assert not wrong, "imports against shared/ARCHITECTURE.md's arrows:\n" + "\n".join(wrong)
+
+
+def test_host_setup_imports_only_the_standard_library():
+    # It runs before vLLM is imported; a third-party import could pick the platform early.
+    source = (ROOT / "tpu_models" / "host.py").read_text()
+    imported = set(re.findall(r"^\s*(?:import|from) (\w+)", source, re.M))
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+
+
+def test_no_file_in_the_package_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for d in package_dirs().values() for p in d.glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_the_ledger_of_adaptations_is_in_step_with_the_code():
+    run = subprocess.run([sys.executable, "-m", "tpu_models.adapt"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ledger = (ROOT / "docs" / "adaptations.md").read_text()
+    assert ledger == run.stdout, "docs/adaptations.md is stale: python -m tpu_models.adapt " \
+                                 "> docs/adaptations.md"
+
+
+def test_each_adaptation_names_a_test_that_exists():
+    from tpu_models import adapt
+    for patch in adapt.patches():
+        file, _, name = patch.test.partition("::")
+        source = (ROOT / file).read_text()
+        assert re.search(rf"^def {name}\(", source, re.M), f"{patch.name}: no {patch.test}"
+        assert len(patch.why) < 120 and "\n" not in patch.why, patch.name
+
+
+def test_the_readme_stays_short():
+    # For users: what it does, the two commands, each capability once; details in docs/.
+    assert len((ROOT / "README.md").read_text()) < 12_000

@@ -1,0 +1,196 @@
+"""How an adaptation changes tpu-inference or vLLM: named, guarded, failing closed.
+
+Each `Patch` names the attributes it replaces (`Target`: a dotted path and the
+parameters it must still take), why, where it applies, the serving feature it
+belongs to and the test that fails without it. Before a feature's patches are
+installed, every target of every one of them is checked; if one is missing or
+takes other parameters, none is installed and the feature is refused: a model
+that would use it stops at start-up (`require`) naming the feature and the
+tpu-inference version, rather than being served wrong. The ledger
+(docs/adaptations.md) is written from these records.
+
+Standard library only at import: the decoder imports `require`.
+"""
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import os
+import sys
+from collections.abc import Callable
+
+# The tpu-inference release these adaptations were written against.
+WRITTEN_FOR = "0.32.0"
+OFF_TPU, EVERYWHERE = "off-TPU", "every platform"
+
+
+class AdaptationError(RuntimeError):
+    """A feature the engine was asked for cannot be adapted to this tpu-inference."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    # (vllm_config, our model class) -> whether this engine needs the feature
+    in_use: Callable[[object, type], bool]
+    instead: str  # what a user can do while it is refused
+
+
+def _speculating(vllm_config, _model) -> bool:
+    return vllm_config.speculative_config is not None
+
+
+def _eagle3(vllm_config, _model) -> bool:
+    spec = vllm_config.speculative_config
+    return spec is not None and spec.method in ("eagle3", "eagle")
+
+
+def _sliding(vllm_config, model) -> bool:
+    return (not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and any(
+        w is not None for w in model.sliding_windows(vllm_config.model_config.hf_text_config)))
+
+
+OFF_TPU_HOST = Feature("serving off-TPU", lambda *_: host_platform_set(),
+                       "run on a TPU host, or install tpu-inference==" + WRITTEN_FOR)
+LORA = Feature("per-request LoRA adapters (--enable-lora)",
+               lambda c, _: c.lora_config is not None,
+               "merge one adapter at load (tpu-models serve --lora)")
+HYBRID_KV = Feature("the hybrid KV cache for sliding-window layers", _sliding,
+                    "pass --disable-hybrid-kv-cache-manager")
+EAGLE3 = Feature("EAGLE-3 drafts", _eagle3, "serve without --speculative-config, or with n-gram")
+GUIDED = Feature("guided decoding (response_format, structured outputs)", lambda *_: True,
+                 "install tpu-inference==" + WRITTEN_FOR)
+GUIDED_WITH_DRAFTS = Feature("guided decoding beside speculative drafts", _speculating,
+                             "serve without --speculative-config")
+IN_PROCESS = Feature("vllm.LLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+                     lambda *_: os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+                     "run the engine in its own process (vLLM's default)")
+# Log accuracy only: refused, the log line is wrong and nothing else.
+LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    path: str  # "package.module.Class.attr" or "package.module.attr"
+    params: str  # the parameter names it must take, space-separated (its shape)
+
+    def resolve(self):
+        """The object at `path`, or raises LookupError."""
+        parts = self.path.split(".")
+        for split in range(len(parts) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:split]))
+            except ImportError:
+                continue
+            for name in parts[split:]:
+                if not hasattr(obj, name):
+                    raise LookupError(f"{self.path}: no attribute {name!r}")
+                obj = getattr(obj, name)
+            return obj
+        raise LookupError(f"{self.path}: no such module")
+
+    def problem(self) -> str | None:
+        try:
+            obj = self.resolve()
+        except LookupError as e:
+            return str(e)
+        try:
+            params = " ".join(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            return f"{self.path}: not a callable"
+        if params != self.params:
+            return f"{self.path} takes ({params}), expected ({self.params})"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    feature: Feature
+    targets: tuple[Target, ...]
+    why: str  # one line: what goes wrong without it
+    test: str  # tests/FILE.py::TEST: fails without it, or (speed) checks its output
+    install: Callable[[], None]
+    platform: str = EVERYWHERE
+    upstream: str = "none filed"
+    speed: str = ""  # for a speed-only patch, the benchmark that shows it
+
+
+def host_platform_set() -> bool:
+    from tpu_models.host import host_platform
+    return host_platform() is not None
+
+
+def upstream_version() -> str:
+    return importlib.metadata.version("tpu-inference")
+
+
+# Feature name -> why it is refused in this process (filled by `install`).
+_refused: dict[str, str] = {}
+
+
+def refused() -> dict[str, str]:
+    return dict(_refused)
+
+
+def install(patches: list[Patch], log) -> None:
+    """Installs the patches that apply on this host, a feature's all or none."""
+    version = upstream_version()
+    off_tpu = host_platform_set()
+    applicable = [p for p in patches if off_tpu or p.platform == EVERYWHERE]
+    by_feature: dict[str, list[Patch]] = {}
+    for patch in applicable:
+        by_feature.setdefault(patch.feature.name, []).append(patch)
+    for name, group in by_feature.items():
+        problems = [f"{p.name}: {problem}" for p in group for t in p.targets
+                    if (problem := t.problem())]
+        if not problems:
+            for patch in group:
+                patch.install()
+            continue
+        reason = (f"{name} is not available: tpu-models adapts tpu-inference {WRITTEN_FOR}, "
+                  f"this is {version}, and {'; '.join(problems)}")
+        if group[0].feature is OFF_TPU_HOST:
+            raise AdaptationError(f"tpu-models: {reason}. Run on a TPU host or install "
+                                  f"tpu-inference=={WRITTEN_FOR}.")
+        _refused[name] = reason
+        log.warning("tpu-models: %s", reason)
+    if version != WRITTEN_FOR:
+        log.warning("tpu-models: tpu-inference %s, adaptations written for %s: %d of %d "
+                    "features apply", version, WRITTEN_FOR, len(by_feature) - len(_refused),
+                    len(by_feature))
+
+
+def require(vllm_config, model_class: type) -> None:
+    """At model build: refuses the features this engine needs but cannot have."""
+    for feature in FEATURES:
+        if feature.name in _refused and feature.in_use(vllm_config, model_class):
+            instead = f" ({feature.instead})" if feature.instead else ""
+            raise AdaptationError(f"tpu-models: {_refused[feature.name]}{instead}")
+
+
+def our_model(vllm_config) -> type | None:
+    """The tpu_models class the engine runs on the flax_nnx path, else None."""
+    if vllm_config.compilation_config.static_forward_context:
+        return None  # vLLM's PyTorch model (MODEL_IMPL_TYPE=vllm): its layers declare themselves
+    from tpu_inference.models.common.model_loader import _MODEL_REGISTRY
+
+    from tpu_models import registry
+    ours = {a.hf_name for a in registry.architectures() if a.model is not None}
+    for name in vllm_config.model_config.architectures or ():
+        model_class = _MODEL_REGISTRY.get(name)
+        if name in ours and isinstance(model_class, type):
+            return model_class
+    return None
+
+
+def rebind(module_name: str, name: str, replacement) -> None:
+    """Replaces module_name.name in every tpu_inference module that imported it by name."""
+    original = getattr(importlib.import_module(module_name), name)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("tpu_inference") and getattr(mod, name, None) is original:
+            setattr(mod, name, replacement)
+
+
+FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, IN_PROCESS, LOG)

@@ -1,0 +1,148 @@
+"""Speculative decoding: tpu-inference's JAX EAGLE-3 draft, with our targets.
+
+Its name and dtype apply everywhere; the last two are off-TPU speed: the
+figures are in benchmarks/README.md (bench spec).
+"""
+
+import dataclasses
+
+from tpu_models.adapt.guard import EAGLE3, OFF_TPU, Patch, Target
+
+PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"
+DRAFT = "tpu_inference.models.jax.llama_eagle3.EagleLlama3ForCausalLM"
+
+
+def eagle3_drafts_by_their_published_name() -> None:
+    # Drafts are published as LlamaForCausalLMEagle3; tpu-inference registers its
+    # JAX draft only as Eagle3LlamaForCausalLM, so such a draft fell back to
+    # vLLM's PyTorch class, which the JAX speculative path cannot drive.
+    from tpu_inference.models.common import model_loader
+
+    original = model_loader._get_model_architecture
+
+    def _get_model_architecture(config):
+        try:
+            return original(config)
+        except model_loader.UnsupportedArchitectureError:
+            if "LlamaForCausalLMEagle3" in (getattr(config, "architectures", None) or ()):
+                return model_loader._MODEL_REGISTRY["Eagle3LlamaForCausalLM"]
+            raise
+
+    model_loader._get_model_architecture = _get_model_architecture
+
+
+def drafts_in_the_served_dtype() -> None:
+    # tpu-inference computes every draft layer in bfloat16 whatever --dtype says.
+    import jax.numpy as jnp
+    from flax import nnx
+    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+    from tpu_inference.utils import to_jax_dtype
+
+    original = EagleLlama3ForCausalLM.__init__
+
+    def __init__(self, vllm_config, rng_key, mesh):
+        original(self, vllm_config, rng_key, mesh)
+        served = jnp.dtype(to_jax_dtype(vllm_config.model_config.dtype))
+        for _, node in nnx.iter_graph(self):
+            # the computation dtype; param_dtype only shapes the checkpoint's placeholders
+            if isinstance(node, nnx.Module) and getattr(node, "dtype", None) == jnp.bfloat16:
+                node.dtype = served
+
+    EagleLlama3ForCausalLM.__init__ = __init__
+
+
+def draft_passes_on_live_rows() -> None:
+    # Passes after the first ran on every request slot (64 off-TPU). Each request
+    # has a token in the step, so the token bucket bounds the live requests: the
+    # passes run on min(slots, tokens) rows and the drafts are padded back.
+    # Jitted without the original's xla_tpu_* options.
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
+
+    every_row = Eagle3Proposer._propose.__wrapped__
+
+    def propose(self, state_leaves, kv_caches, input_ids, attn_metadata, last_token_indices,
+                target_hidden_states, num_speculative_tokens, layer_name_to_kvcache_index):
+        rows = last_token_indices.shape[0]
+        live = min(rows, input_ids.shape[0])
+        if (live == rows or num_speculative_tokens == 1 or self.method != "eagle3"
+                or self.constant_draft_positions or self.runner.dp_size > 1):
+            return every_row(self, state_leaves, kv_caches, input_ids, attn_metadata,
+                             last_token_indices, target_hidden_states, num_speculative_tokens,
+                             layer_name_to_kvcache_index)
+        kv_caches, hidden, residual, _ = self.model_fn(
+            state_leaves, kv_caches, input_ids, target_hidden_states, attn_metadata,
+            layer_name_to_kvcache_index, spec_step_idx=0)
+        positions, hidden, draft = self._select_inputs_for_loop_speculation(
+            state_leaves, attn_metadata.input_positions, residual[0], hidden,
+            last_token_indices[:live])
+        pages = attn_metadata.block_tables.shape[0] // rows  # block_tables: [rows * pages]
+        seq_lens, block_tables = attn_metadata.seq_lens[:live], attn_metadata.block_tables[:live * pages]
+        drafts = [draft]  # each [live]
+        for step in range(1, num_speculative_tokens):
+            positions, clamped, seq_lens, starts, block_tables = (
+                self._update_inputs_for_loop_speculation(positions, seq_lens, block_tables))
+            attn_metadata = dataclasses.replace(
+                attn_metadata, input_positions=clamped, seq_lens=seq_lens,
+                query_start_loc=starts, block_tables=block_tables)
+            kv_caches, out, residual, _ = self.model_fn(
+                state_leaves, kv_caches, drafts[-1], hidden, attn_metadata,
+                layer_name_to_kvcache_index, spec_step_idx=step)
+            hidden = residual[0]
+            drafts.append(self._get_draft_token_ids(state_leaves, out))
+        drafts = jnp.stack(drafts, axis=1)  # [live, k]
+        return kv_caches, jnp.pad(drafts, ((0, rows - live), (0, 0)))
+
+    Eagle3Proposer._propose = jax.jit(propose, donate_argnames=("kv_caches", ),
+                                      out_shardings=(None, None), static_argnums=(0, 7, 8))
+
+
+def draft_logits_gathered() -> None:
+    # Fed to tpu-inference's scatter, XLA:CPU computed the draft's lm_head
+    # transposed in a naive loop; the same placement as a gather keeps it a matmul.
+    import jax.numpy as jnp
+    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+
+    def compute_logits(self, hidden_states):
+        logits = self.lm_head(hidden_states)  # [T, draft vocab]
+        draft_vocab = logits.shape[1]
+        targets = jnp.arange(draft_vocab, dtype=jnp.int32) + self.draft_id_to_target_id.value
+        vocab = self.vllm_config.model_config.get_vocab_size()
+        draft_of = jnp.full((vocab, ), draft_vocab, jnp.int32).at[targets].set(
+            jnp.arange(draft_vocab, dtype=jnp.int32))  # [vocab]; draft_vocab: none
+        logits = jnp.pad(logits, ((0, 0), (0, 1)), constant_values=-jnp.inf)
+        return logits[:, draft_of]  # [T, vocab]
+
+    EagleLlama3ForCausalLM.compute_logits = compute_logits
+
+
+_PROPOSE = ("self state_leaves kv_caches input_ids attn_metadata last_token_indices "
+            "target_hidden_states num_speculative_tokens layer_name_to_kvcache_index")
+PATCHES = [
+    Patch("EAGLE-3 drafts by their published name", EAGLE3, (
+        Target("tpu_inference.models.common.model_loader._get_model_architecture", "config"), ),
+        "a LlamaForCausalLMEagle3 draft fell back to vLLM's PyTorch class",
+        "tests/test_spec_decode.py::test_eagle3_draft_on_gemma3_matches_transformers",
+        eagle3_drafts_by_their_published_name),
+    Patch("EAGLE-3 drafts in the served dtype", EAGLE3, (
+        Target(f"{DRAFT}.__init__", "self vllm_config rng_key mesh"), ),
+        "the draft computed in bfloat16 under --dtype float32 (12x slower on XLA:CPU)",
+        "tests/test_spec_decode.py::test_the_eagle3_draft_computes_in_the_served_dtype",
+        drafts_in_the_served_dtype),
+    Patch("EAGLE-3 draft passes on live rows", EAGLE3, (
+        Target(f"{PROPOSER}._propose", _PROPOSE),
+        Target(f"{PROPOSER}._select_inputs_for_loop_speculation",
+               "self state_leaves positions residual hidden_states last_token_indices"),
+        Target(f"{PROPOSER}._update_inputs_for_loop_speculation",
+               "self positions seq_lens block_tables"),
+        Target(f"{PROPOSER}._get_draft_token_ids", "self state_leaves hidden_states")),
+        "every draft pass after the first computed all request slots, live or not",
+        "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
+        draft_passes_on_live_rows, platform=OFF_TPU, speed="tpu-models bench spec"),
+    Patch("EAGLE-3 draft logits gathered", EAGLE3, (
+        Target(f"{DRAFT}.compute_logits", "self hidden_states"), ),
+        "XLA:CPU ran the draft's lm_head transposed in a naive loop before the scatter",
+        "tests/test_spec_decode.py::test_the_eagle3_draft_places_its_logits_in_the_target_vocabulary",
+        draft_logits_gathered, platform=OFF_TPU, speed="tpu-models bench spec"),
+]

@@ -1,0 +1,61 @@
+"""Host set-up: what must hold before anything imports vLLM or tpu-inference.
+
+Standard library only. `tpu-models serve`, `bench` and the tests call
+`setup_host`; the adaptations (tpu_models.adapt) read `host_platform` in every
+vLLM process.
+"""
+
+import glob
+import os
+
+# tpu-inference reads these to describe the TPU slice; unset, it asks the cloud
+# metadata server, which must never be contacted from a non-TPU host.
+TPU_IDENTITY = {"TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_NAME": "local", "TPU_WORKER_ID": "0"}
+# --device values and the JAX platform each runs on (None: JAX's default, the TPU).
+DEVICES = {"tpu": None, "cpu": "cpu", "gpu": "cuda"}
+
+
+def has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*")) or os.path.exists("/dev/vfio")
+
+
+def jax_platform(device: str = "auto", env=os.environ) -> str | None:
+    """The JAX_PLATFORMS value to run with; None keeps JAX's TPU default."""
+    if device == "auto":
+        if env.get("JAX_PLATFORMS"):
+            return env["JAX_PLATFORMS"]
+        return None if has_tpu() else "cpu"
+    return DEVICES[device]
+
+
+def setup_host(device: str = "auto", env=None) -> str | None:
+    """Prepares `env` (default: this process's environment) to run the stack on
+    `device`: JAX_PLATFORMS and, off-TPU, a TPU identity. Returns the platform
+    (None on TPU)."""
+    env = os.environ if env is None else env
+    platform = jax_platform(device, env)
+    if platform is not None:
+        env["JAX_PLATFORMS"] = platform
+        set_tpu_identity(env)
+        # Off-TPU the API server never opens a JAX backend, so the engine core can be
+        # forked rather than spawned (no second import of vLLM; tpu-inference also
+        # needs fork for attention backends registered by plugins).
+        env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+        # XLA:CPU compiles are the start-up here: run them on every core.
+        env.setdefault("NUM_PRECOMPILE_WORKERS", str(min(os.cpu_count() or 1, 8)))
+    # JAX's persistent cache skips compilations under 1 s by default: most of ours.
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return platform
+
+
+def set_tpu_identity(env) -> None:
+    for key, value in TPU_IDENTITY.items():
+        env.setdefault(key, value)
+
+
+def host_platform() -> str | None:
+    """The non-TPU JAX platform requested via JAX_PLATFORMS, else None (TPU or default)."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if not platforms or "tpu" in platforms:
+        return None
+    return platforms[0]
