@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
+from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_tensors
 from tpu_models.loaders.hf_writer import HfWriter, check_out
 from tpu_models.loaders.lora import LoraAdapter
 from tpu_models.loaders.rules import Rule
@@ -48,36 +48,23 @@ def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *, ar
     return Path(out)
 
 
-# Where multimodal Gemma 3 checkpoints keep the language model: as released,
-# and as transformers >= 5 saves it.
-GEMMA3_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
-GEMMA3_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-                          "model.multi_modal_projector.")
-
-
-def gemma3_text(source: str | Path, out: str | Path, text_config: dict, *, arch,
-                overwrite: bool = False) -> Path:
-    """Extracts the language model of a Gemma3ForConditionalGeneration checkpoint
-    as a text-only Gemma3ForCausalLM checkpoint (same weights, renamed).
-
-    `text_config` is the complete text config (defaults filled in by the caller).
-    """
+def text_only(source: str | Path, out: str | Path, *, arch, overwrite: bool = False) -> Path:
+    """Extracts the language model of a multimodal checkpoint (`arch.multimodal`: where
+    its tensors are, its text config) as a text-only `arch` checkpoint, same weights."""
     check_out(out, overwrite)
-    source = Path(source)
+    source, multimodal = Path(source), arch.multimodal
     checkpoint = HfCheckpoint(source)
     renames, unknown = {}, []
     for name in checkpoint.tensors:
-        prefix = next((p for p in GEMMA3_TEXT_PREFIXES if name.startswith(p)), None)
+        prefix = next((p for p in multimodal.text_prefixes if name.startswith(p)), None)
         if prefix is not None:
             renames[name] = "model." + name[len(prefix):]
-        elif not name.startswith(GEMMA3_VISION_PREFIXES) and name not in (
-                "lm_head.weight", "language_model.lm_head.weight"):  # tied to the embedding
+        elif not name.startswith(multimodal.dropped_prefixes) and name not in multimodal.dropped:
             unknown.append(name)
     if unknown:
-        raise CheckpointError(f"{source}: tensors outside the language model and vision tower: "
-                              f"{unknown[:5]}")
-    config = {**text_config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-    from tpu_models.loaders.hf import check_tensors
+        raise CheckpointError(f"{source}: tensors outside the language model and the parts "
+                              f"left out: {unknown[:5]}")
+    config = {**multimodal.text_config(str(source)), "architectures": [arch.hf_name]}
     check_tensors({new: (checkpoint.tensors[old].shape, checkpoint.tensors[old].file.name)
                    for old, new in renames.items()}, arch.hf_table(config)[0], where=str(source))
     with HfWriter(out, overwrite=overwrite) as writer:

@@ -48,24 +48,14 @@ def parser() -> argparse.ArgumentParser:
     tunix.add_argument("--dtype", choices=["bfloat16", "float32"], help="cast weights (default: keep)")
     tunix.add_argument("--out", required=True, help="directory to create")
     tunix.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    text = sub.add_parser("gemma3-text", help="the language model of a multimodal Gemma 3 "
-                                              "checkpoint, as a text-only Gemma3ForCausalLM")
-    text.add_argument("source", help="Gemma3ForConditionalGeneration checkpoint directory")
-    text.add_argument("--out", required=True, help="directory to create")
-    text.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    for arch in registry.architectures():
+        if (mm := arch.multimodal) is not None:
+            text = sub.add_parser(mm.export_name, help=f"the language model of a {mm.hf_name} "
+                                                       f"checkpoint, as a text-only {arch.hf_name}")
+            text.add_argument("source", help=f"{mm.hf_name} checkpoint directory")
+            text.add_argument("--out", required=True, help="directory to create")
+            text.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return p
-
-
-def gemma3_text_config(source: str) -> dict:
-    """The full text config of a multimodal Gemma 3 checkpoint, defaults filled in."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(source)
-    if getattr(config, "architectures", [None])[0] != "Gemma3ForConditionalGeneration":
-        raise ValueError(f"{source}: not a Gemma3ForConditionalGeneration checkpoint")
-    text = config.text_config.to_dict()
-    text["dtype"] = str(getattr(config, "dtype", None) or text.get("dtype") or "bfloat16").replace(
-        "torch.", "")
-    return text
 
 
 def _overrides(items: list[str]) -> dict:
@@ -106,11 +96,11 @@ def main(argv: list[str]) -> None:
                         arch=registry.for_checkpoint(args.base), lora_alpha=args.lora_alpha,
                         adapter_only=args.adapter_only, dtype=args.dtype,
                         overwrite=args.overwrite, progress="tunix -> HF")
-        elif args.kind == "gemma3-text":
-            from tpu_models.loaders.export import gemma3_text
-            out = gemma3_text(args.source, args.out, gemma3_text_config(args.source),
-                              arch=registry.by_hf_name("Gemma3ForCausalLM"),
-                              overwrite=args.overwrite)
+        else:  # a multimodal release's language model
+            from tpu_models.loaders.export import text_only
+            arch = next(a for a in registry.architectures()
+                        if a.multimodal and a.multimodal.export_name == args.kind)
+            out = text_only(args.source, args.out, arch=arch, overwrite=args.overwrite)
         print(f"wrote {out}")
     except (CheckpointError, ValueError) as e:
         sys.exit(f"tpu-models export: {e}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tpu_models.quant import rules as quant_rules
 from tpu_models.server import middleware
-from tpu_models import host
+from tpu_models import host, registry
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DEFAULT_NAME = "qwen3-structural-demo"
@@ -148,11 +148,12 @@ def check_model(model: str) -> None:
     config = Path(model) / "config.json"
     if not config.exists():
         return
-    arch = (json.loads(config.read_text()).get("architectures") or [None])[0]
-    if arch == "Gemma3ForConditionalGeneration":
-        sys.exit(f"tpu-models serve: {model} is a multimodal Gemma 3 checkpoint; tpu-models serves "
-                 "its language model as text-only Gemma3ForCausalLM. Extract it first:\n"
-                 f"  tpu-models export gemma3-text {model} --out {model.rstrip('/')}-text")
+    name = (json.loads(config.read_text()).get("architectures") or [None])[0]
+    if (arch := registry.for_multimodal(name)) is not None:
+        sys.exit(f"tpu-models serve: {model} is a multimodal checkpoint ({name}); tpu-models "
+                 f"serves its language model as text-only {arch.hf_name}. Extract it first:\n"
+                 f"  tpu-models export {arch.multimodal.export_name} {model} "
+                 f"--out {model.rstrip('/')}-text")
 
 
 def main(argv: list[str]) -> None:

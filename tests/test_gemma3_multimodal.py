@@ -42,7 +42,7 @@ def test_serve_refuses_with_the_command_that_fixes_it(multimodal):
     directory, _ = multimodal
     result = run_cli("serve", str(directory), "--dry-run")
     assert result.returncode != 0
-    assert "multimodal Gemma 3" in result.stderr
+    assert "multimodal checkpoint (Gemma3ForConditionalGeneration)" in result.stderr
     assert f"tpu-models export gemma3-text {directory}" in result.stderr
 
 

@@ -22,6 +22,18 @@ ENTRY_MODULES = ("tpu_models.qwen3_structural.checkpoints", "tpu_models.gemma3.c
 
 
 @dataclasses.dataclass(frozen=True)
+class Multimodal:
+    """A multimodal checkpoint whose language model an architecture serves text-only,
+    once `tpu-models export NAME` has extracted it."""
+    hf_name: str  # its config.json "architectures"[0]
+    export_name: str  # `tpu-models export NAME SOURCE --out DIR`
+    text_prefixes: tuple[str, ...]  # tensor-name prefixes of the language model
+    dropped_prefixes: tuple[str, ...]  # the rest (vision tower, projector)
+    dropped: tuple[str, ...]  # single tensors left out (a head tied to the embedding)
+    text_config: Callable[[str], dict]  # checkpoint directory -> the complete text config
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     hf_name: str  # config.json "architectures"[0]
     export_name: str  # `tpu-models export maxtext --model NAME`
@@ -34,6 +46,7 @@ class Architecture:
     # Linear modules beyond the shared decoder's projections (the structural head):
     # pre-quantized checkpoints may store them quantized; Qwix presets keep them in full precision.
     extra_linear: tuple[str, ...] = ()
+    multimodal: Multimodal | None = None  # a multimodal release it is extracted from
 
     def model_class(self) -> type:
         module, name = self.model.split(":")
@@ -58,6 +71,12 @@ def by_export_name(name: str) -> Architecture:
         if arch.export_name == name:
             return arch
     raise ValueError(f"--model {name!r}: one of {', '.join(export_names())}")
+
+
+def for_multimodal(name: str | None) -> Architecture | None:
+    """The entry serving the language model of multimodal architecture `name`, if any."""
+    return next((a for a in architectures() if a.multimodal and a.multimodal.hf_name == name),
+                None)
 
 
 def export_names(trainer: str = "maxtext") -> list[str]:

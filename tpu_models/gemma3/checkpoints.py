@@ -13,7 +13,7 @@ from tpu_models.loaders import tables
 from tpu_models.loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
 from tpu_models.loaders.rules import Rule
 from tpu_models.loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
-from tpu_models.registry import Architecture
+from tpu_models.registry import Architecture, Multimodal
 
 # --- HF ---------------------------------------------------------------------------
 
@@ -113,10 +113,34 @@ TUNIX = TunixMapping(markers=("/attn/q_einsum/", "/attn/qkv_einsum/", "/attn/att
                      weights=TUNIX_WEIGHTS, lora=TUNIX_LORA,
                      fused_markers=("/attn/qkv_einsum/", ), fused_weights=TUNIX_WEIGHTS_MHA)
 
+# --- multimodal releases ----------------------------------------------------------------
+
+
+def multimodal_text_config(source: str) -> dict:
+    """The full text config of a multimodal Gemma 3 checkpoint, defaults filled in."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(source)
+    if getattr(config, "architectures", [None])[0] != "Gemma3ForConditionalGeneration":
+        raise ValueError(f"{source}: not a Gemma3ForConditionalGeneration checkpoint")
+    text = config.text_config.to_dict()
+    text["dtype"] = str(getattr(config, "dtype", None) or text.get("dtype") or "bfloat16").replace(
+        "torch.", "")
+    return text | {"model_type": "gemma3_text"}
+
+
+MULTIMODAL = Multimodal(
+    hf_name="Gemma3ForConditionalGeneration", export_name="gemma3-text",
+    # as released, and as transformers >= 5 saves it
+    text_prefixes=("language_model.model.", "model.language_model."),
+    dropped_prefixes=("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                      "model.multi_modal_projector."),
+    dropped=("lm_head.weight", "language_model.lm_head.weight"),  # tied to the embedding
+    text_config=multimodal_text_config)
+
 # --- registry entry -------------------------------------------------------------------
 
 ARCHITECTURES = (
     Architecture(hf_name="Gemma3ForCausalLM", export_name="gemma3", hf_table=hf_table,
                  model="tpu_models.gemma3.model:Gemma3ForCausalLM", maxtext=MAXTEXT,
-                 tunix=TUNIX),
+                 tunix=TUNIX, multimodal=MULTIMODAL),
 )
