@@ -149,8 +149,9 @@ def install(patches: list[Patch], log) -> None:
             for patch in group:
                 patch.install()
             continue
-        reason = (f"{name} is not available: tpu-models adapts tpu-inference {WRITTEN_FOR}, "
-                  f"this is {version}, and {'; '.join(problems)}")
+        where = (f"on tpu-inference {version}" if version == WRITTEN_FOR else
+                 f"tpu-models adapts tpu-inference {WRITTEN_FOR}, this is {version}, and")
+        reason = f"{name} is not available: {where} {'; '.join(problems)}"
         if group[0].feature is OFF_TPU_HOST:
             raise AdaptationError(f"tpu-models: {reason}. Run on a TPU host or install "
                                   f"tpu-inference=={WRITTEN_FOR}.")
@@ -166,7 +167,7 @@ def require(vllm_config, model_class: type) -> None:
     """At model build: refuses the features this engine needs but cannot have."""
     for feature in FEATURES:
         if feature.name in _refused and feature.in_use(vllm_config, model_class):
-            instead = f" ({feature.instead})" if feature.instead else ""
+            instead = f". Instead: {feature.instead}" if feature.instead else ""
             raise AdaptationError(f"tpu-models: {_refused[feature.name]}{instead}")
 
 
