@@ -67,3 +67,114 @@ def test_an_in_process_engine_exits_without_a_traceback():
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TOKENS 4" in run.stdout, run.stdout[-2000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+# A tpu-inference other than the one the adaptations were written for, where one target
+# of each serving feature changed its parameters: each feature is refused, the rest apply.
+FAKED_UPSTREAM = """
+import importlib.metadata, sys
+real_version = importlib.metadata.version
+importlib.metadata.version = lambda name: "0.99.0" if name == "tpu-inference" else real_version(name)
+from tpu_inference.runner.kv_cache_manager import KVCacheManager
+from tpu_inference.runner.lora_utils import LoraUtils
+from tpu_inference.runner.speculative_decoding_manager import SpeculativeDecodingManager
+from tpu_inference.runner.structured_decoding_manager import StructuredDecodingManager
+from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
+LoraUtils.extract_lora_metadata = lambda self, mapping: None
+KVCacheManager.initialize_kv_cache = lambda self, config, groups: None
+Eagle3Proposer._propose = lambda self, leaves: None
+SpeculativeDecodingManager.take_draft_token_ids = lambda self, step: None
+original_prepare = StructuredDecodingManager.prepare_structured_decoding_input
+
+from vllm.engine.arg_utils import EngineArgs
+from tpu_models.adapt import guard
+from tpu_models.benchmarks.stepper import Stepper, load_plugins
+from tpu_models.server.serve import DEFAULT_MODEL, EAGLE3_DRAFT
+from tests.tiny import make_gemma3
+
+load_plugins()  # the plugin: adapt.apply() on the faked version
+print("REFUSED", sorted(guard.refused()))
+print("UNTOUCHED", KVCacheManager.get_kv_cache_spec.__module__)
+print("APPLIED", StructuredDecodingManager.prepare_structured_decoding_input is not original_prepare)
+
+def start(model, model_class, **args):
+    config = EngineArgs(model=str(model), dtype="float32", max_model_len=256,
+                        **args).create_engine_config()
+    try:
+        guard.require(config, model_class)
+        return "served"
+    except guard.AdaptationError as e:
+        return str(e)
+
+from tpu_models.qwen3_structural.model import Qwen3StructuralForCausalLM as Qwen3
+from tpu_models.gemma3.model import Gemma3ForCausalLM as Gemma3
+gemma3 = make_gemma3(sys.argv[1])
+cases = {
+    "plain": start(DEFAULT_MODEL, Qwen3),
+    "lora": start(DEFAULT_MODEL, Qwen3, enable_lora=True, max_lora_rank=8),
+    "gemma3": start(gemma3, Gemma3),
+    "gemma3-unified": start(gemma3, Gemma3, disable_hybrid_kv_cache_manager=True),
+    "eagle3": start(DEFAULT_MODEL, Qwen3, speculative_config={
+        "method": "eagle3", "model": str(EAGLE3_DRAFT), "num_speculative_tokens": 3}),
+    "ngram": start(DEFAULT_MODEL, Qwen3, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}),
+}
+for name, outcome in cases.items():
+    print("CASE", name, "=", outcome)
+# Through tpu-inference's own model build, as the engine starts one.
+try:
+    Stepper(DEFAULT_MODEL, enable_lora=True, max_lora_rank=8)
+    print("BUILT lora")
+except guard.AdaptationError as e:
+    print("BUILD-REFUSED", e)
+"""
+
+
+def test_on_another_tpu_inference_a_feature_whose_patch_cannot_apply_is_refused(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "-c", FAKED_UPSTREAM, str(tmp_path / "gemma3")],
+                         cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in run.stdout.splitlines() if " " in line)
+    assert out["REFUSED"] == str(sorted([
+        "EAGLE-3 drafts", "guided decoding beside speculative drafts",
+        "per-request LoRA adapters (--enable-lora)",
+        "the hybrid KV cache for sliding-window layers"]))
+    # A refused feature's patches are all left out, even those whose targets matched;
+    # the other features' patches apply.
+    assert out["UNTOUCHED"] == "tpu_inference.runner.kv_cache_manager"
+    assert out["APPLIED"] == "True"
+    cases = dict(line.removeprefix("CASE ").split(" = ", 1)
+                 for line in run.stdout.splitlines() if line.startswith("CASE "))
+    assert cases["plain"] == cases["gemma3-unified"] == "served"
+    for case, feature in [("lora", "per-request LoRA"), ("gemma3", "hybrid KV cache"),
+                          ("eagle3", "EAGLE-3 drafts"),
+                          ("ngram", "guided decoding beside speculative drafts")]:
+        message = cases[case]
+        assert feature in message and "0.99.0" in message and "0.32.0" in message, (case, message)
+    assert "tpu-models: per-request LoRA" in out["BUILD-REFUSED"]
+    assert "extract_lora_metadata takes (self mapping)" in out["BUILD-REFUSED"]
+
+
+def test_off_tpu_a_host_portability_patch_that_cannot_apply_stops_the_engine(monkeypatch):
+    import logging
+
+    import pytest
+
+    from tpu_models.adapt import guard
+    installed = []
+    broken = guard.Patch("example", guard.OFF_TPU_HOST,
+                         (guard.Target("tpu_models.host.has_tpu", "device"), ), "why", "test",
+                         lambda: installed.append(1), platform=guard.OFF_TPU)
+    monkeypatch.setattr(guard, "_refused", {})
+    with pytest.raises(guard.AdaptationError, match=r"serving off-TPU .*host\.has_tpu takes \(\)"):
+        guard.install([broken], logging.getLogger("test"))
+    assert not installed
+    # On a TPU host the same patch is not even considered.
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    guard.install([broken], logging.getLogger("test"))
+    assert not installed and guard.refused() == {}
