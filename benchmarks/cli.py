@@ -30,6 +30,8 @@ OWN_OPTIONS = {
                                       "merged at load: output tok/s at 1, 4, 16 (served)"),
     "real-scale": ("tpu_models.benchmarks.real_scale", "real-shaped models served one request at a time: "
                                             "TPOT next to the model-level step, start-up, memory"),
+    "ab": ("tpu_models.benchmarks.ab", "this tree against another git revision, both served "
+                                       "at once, alternated rounds (ratios)"),
     "quant": ("tpu_models.benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }

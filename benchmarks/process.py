@@ -42,11 +42,13 @@ def launched(servers: dict[str, "Server"]):
 class Server:
     """`with Server(model_dir, "--dtype", "float32", log=path) as s:` -> s.url, s.client().
 
-    `command` replaces `tpu-models serve` (e.g. ["vllm", "serve"] for plain vLLM).
+    `command` replaces `tpu-models serve` (e.g. ["vllm", "serve"] for plain vLLM);
+    `cwd` (default: this repository) is where it runs.
     """
 
     def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None,
-                 command: list[str] | None = None, api_key: str | None = None):
+                 command: list[str] | None = None, api_key: str | None = None,
+                 cwd: Path | None = None):
         self.port = free_port()
         self.api_key = api_key
         if api_key:
@@ -56,6 +58,7 @@ class Server:
         self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
         self.log_path = log
         self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd or Path(__file__).parents[1]
         self.process = None
 
     def launch(self) -> "Server":
@@ -64,7 +67,7 @@ class Server:
         self.started = time.monotonic()
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env=self.env, start_new_session=True,
-                                        cwd=Path(__file__).parents[1])
+                                        cwd=self.cwd)
         return self
 
     def start(self) -> "Server":
