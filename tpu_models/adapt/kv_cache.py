@@ -71,5 +71,6 @@ PATCHES = [
                "sliding_window")),
         "a local layer kept the whole context: 4.4x fewer tokens for Gemma 3 1B at 32K",
         "tests/test_hybrid_kv_cache.py::test_local_layers_get_their_own_kv_cache_groups",
-        sliding_window_kv_cache_groups),
+        sliding_window_kv_cache_groups,
+        upstream="tpu-inference PR 510 (flax_nnx layers get full specs by design); PR 3220"),
 ]

@@ -83,7 +83,8 @@ PATCHES = [
                ".prepare_structured_decoding_input", "self logits grammar_output")),
         "concurrent guided requests could be masked by each other's grammar",
         "tests/test_demo.py::test_guided_decoding_always_valid_under_concurrency",
-        grammar_rows_per_logits_row),
+        grammar_rows_per_logits_row,
+        upstream="tpu-inference issue 1531, PR 1563 (open; without draft rows)"),
     Patch("draft tokens handed over on the host", GUIDED_WITH_DRAFTS, (
         Target(f"{RUNNER}.speculative_decoding_manager.SpeculativeDecodingManager"
                ".take_draft_token_ids", "self"), ),
