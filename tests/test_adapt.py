@@ -29,7 +29,7 @@ def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
     assert isinstance(got, tuple) and len(got) == len(want)
     for g, w in zip(got, want):
         assert (g.dtype, g.shape, g.sharding, g.committed) == (w.dtype, w.shape, w.sharding, True)
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))  # exact: copies
     assert got[3].dtype == np.int32  # int64 canonicalized, as device_put does without x64
 
     # A bare PartitionSpec reads the mesh in context, as device_put does.

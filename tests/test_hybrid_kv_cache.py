@@ -50,7 +50,9 @@ def test_local_layers_get_their_own_kv_cache_groups(server):
     # ... overlaid in one allocation, the pool vLLM sized
     assert "num_total_layers=1 " in log
     tokens, concurrency = server.kv_capacity()
-    assert concurrency * LONG_CONTEXT == pytest.approx(tokens, rel=0.01)
+    # vLLM logs int(concurrency * max_model_len) and concurrency as %.2f: <= 0.005 off, and
+    # the token count is truncated by < 1
+    assert concurrency * LONG_CONTEXT == pytest.approx(tokens, abs=0.005 * LONG_CONTEXT + 1)
 
 
 def test_prompts_of_ten_windows_and_generations_of_many(server, reference):

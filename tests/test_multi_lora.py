@@ -41,6 +41,8 @@ def check_steps(stepper, references, steps, assigned, adapters):
             reference = references[assigned[name]]
             want = reference.logits(seen[name])[-len(tokens):]
             have = got[name][:, :reference.vocab_size]
+            # fp32 logits vs peft's merge in transformers fp32: reduction order differs,
+            # 1e-4 absolute on O(1) logits
             np.testing.assert_allclose(have, want, atol=1e-4, rtol=0,
                                        err_msg=f"request {name} (adapter {assigned[name]})")
             worst = max(worst, float(np.abs(have - want).max()))
@@ -68,7 +70,7 @@ def test_mixed_batch_matches_each_adapter_merged_by_peft(model, request, tmp_pat
                 "every-again": "every"}
     worst = check_steps(stepper, references, mixed_steps(references[None].vocab_size, assigned),
                         assigned, adapters)
-    # Each adapter must matter: far from the base model.
+    # Each adapter must matter: far from the base model (500x the 1e-4).
     prompt = list(range(1, 12))
     for name in adapters:
         assert np.abs(references[name].logits(prompt) - references[None].logits(prompt)).max() > 0.05
@@ -163,6 +165,7 @@ def check_jobs(server, jobs, references, prompt_logprobs=False):
         reference = references[model]
         assert ids == reference.greedy(prompt, MAX_TOKENS), f"{model}: prompt of {len(prompt)}"
         if prompt_logprobs:
+            # fp32 log-probs (logits minus their logsumexp) vs transformers fp32: 1e-4, as logits
             np.testing.assert_allclose(logprobs, reference_logprobs(reference, prompt), atol=1e-4,
                                        rtol=0, err_msg=f"{model}: prompt log-probs")
 
@@ -263,6 +266,7 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
     tunix_logits -= tunix_logits.max(-1, keepdims=True)
     tunix_logp = tunix_logits - np.log(np.exp(tunix_logits).sum(-1, keepdims=True))
     want = tunix_logp[np.arange(len(tokens) - 1), tokens[1:]]
+    # fp32 log-probs, served vs Tunix's XLA forward (fixture): reduction order differs, 1e-4
     np.testing.assert_allclose(served, want, atol=1e-4, rtol=0)
 
 
@@ -314,6 +318,7 @@ def test_adapters_shard_like_their_base_weights(tmp_path):
     for tp in ("1", "2", "4"):
         for name, logits in results[tp]["logits"].items():
             want = references[name].logits(results["prompts"][name])[-1]
+            # fp32 logits vs peft in transformers fp32 (sharded sums included): 1e-4 on O(1)
             np.testing.assert_allclose(logits[:383], want, atol=1e-4, rtol=0, err_msg=f"TP={tp} {name}")
     specs, base_specs = results["4"]["shardings"], results["4"]["base_shardings"]
     # A [*in, S, R] takes the kernel's input axes, B [S, R, *out] its output axes.
@@ -354,6 +359,9 @@ def test_adapters_on_a_qwix_quantized_base(qwen3, tmp_path):
     effect = np.abs(merged - base).mean()
     print(f"int8 base + adapter: mean |dlogp| vs peft {error:.2e}; quantization alone "
           f"{quantization_error:.2e}; the adapter's effect {effect:.2e}")
+    # int8 weight-only: 0.68% relative per matmul (test_quant.py), far above fp32's ~1e-6
     assert quantization_error > 1e-6  # the base is quantized
+    # the same int8 weights under the adapter's slightly moved activations: an error of the
+    # same size (2x), not the adapter's effect
     assert error < 2 * quantization_error
     assert effect > 20 * error
