@@ -15,7 +15,8 @@ import os
 from tpu_models.adapt import guard
 
 # Upstream subsystems, in the order their patches are installed.
-MODULES = ("host_portability", "engine", "kv_cache", "lora", "speculative", "structured_output")
+MODULES = ("host_portability", "engine", "kv_cache", "lora", "speculative", "structured_output",
+           "sampling")
 _applied = False
 
 

@@ -66,6 +66,10 @@ GUIDED_WITH_DRAFTS = Feature("guided decoding beside speculative drafts", _specu
 IN_PROCESS = Feature("vllm.LLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
                      lambda *_: os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
                      "run the engine in its own process (vLLM's default)")
+SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lambda *_: True,
+                          "install tpu-inference==" + WRITTEN_FOR)
+# Refused, logprobs=0 gets a 400 instead (adapt.sampling).
+LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -194,4 +198,5 @@ def rebind(module_name: str, name: str, replacement) -> None:
             setattr(mod, name, replacement)
 
 
-FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, IN_PROCESS, LOG)
+FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
+            LOGPROBS_ZERO, IN_PROCESS, LOG)
