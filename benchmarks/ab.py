@@ -110,7 +110,8 @@ def measure(args) -> dict:
             "round_ratios": [a["output_throughput"] / b["output_throughput"]
                              for a, b in zip(mine, theirs)],
             "failed": sum(r["failed"] for r in mine + theirs)})
-    return {"benchmark": "ab", "base": args.base, "model": args.shape or args.model or "compare",
+    return {"benchmark": "ab", "base": args.base, "base_tree": str(base_path),
+            "model": args.shape or args.model or "compare",
             "server_args": args.server_args, "rounds": args.rounds, "input_len": args.input_len,
             "output_len": args.output_len, "logs": str(work), "rows": rows}
 
