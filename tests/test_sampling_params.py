@@ -76,3 +76,25 @@ def test_logprobs_zero_gives_the_sampled_tokens_logprob(demo_server):
     assert response.status_code == 200, response.text[:500]
     content = response.json()["choices"][0]["logprobs"]["content"]
     assert content and all(entry["top_logprobs"] == [] for entry in content), json.dumps(content)[:500]
+
+
+def test_a_checkpoint_default_the_sampler_cannot_apply_stops_start_up(qwen3, tmp_path):
+    """generation_config.json's values are every request's defaults: a penalty there
+    would have every request refused, so start-up stops and says how to serve."""
+    import shutil
+
+    from tpu_models.benchmarks.process import Server, launched
+    model = shutil.copytree(qwen3, tmp_path / "qwen3")
+    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05}))
+    servers = {name: Server(model, "--max-model-len", "64", "--kv-cache-memory-bytes",
+                            str(16 << 20), *args, log=tmp_path / f"{name}.log")
+               for name, args in [("defaults", ()), ("vllm", ("--generation-config", "vllm"))]}
+    with launched(servers):
+        assert servers["defaults"].wait_exit() != 0
+        log = servers["defaults"].output()
+        assert "generation_config.json sets repetition_penalty=1.05" in log, log[-3000:]
+        assert "--generation-config vllm" in log
+        servers["vllm"].start()
+        reply = servers["vllm"].client().completions.create(
+            model=str(model), prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")

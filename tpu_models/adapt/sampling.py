@@ -51,6 +51,20 @@ def refuse_what_is_ignored(params) -> None:
                                   "logprobs >= 1", parameter="logprobs", value=0)
 
 
+def check_server_defaults(model_config) -> None:
+    """A checkpoint's generation_config.json is every request's default: one the
+    sampler cannot apply would have every request refused. Stop at start-up instead."""
+    defaults = model_config.get_diff_sampling_param()
+    for name, is_set in IGNORED.items():
+        if name in defaults and is_set(defaults[name]):
+            raise ValueError(
+                f"tpu-models: {model_config.model}'s generation_config.json sets {name}="
+                f"{defaults[name]!r}, which tpu-inference's sampler cannot apply, so every "
+                "request would be refused; serve without the checkpoint's sampling defaults "
+                "(--generation-config vllm) or override it (--override-generation-config "
+                f"'{{\"{name}\": ...}}')")
+
+
 def parameters_checked() -> None:
     from tpu_inference.platforms.tpu_platform import TpuPlatform
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
