@@ -68,8 +68,9 @@ IN_PROCESS = Feature("vllm.LLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
                      "run the engine in its own process (vLLM's default)")
 SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lambda *_: True,
                           "install tpu-inference==" + WRITTEN_FOR)
-# Refused, logprobs=0 gets a 400 instead (adapt.sampling).
+# Refused, these requests get a 400 instead (adapt.sampling).
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
+MIN_P_AND_SEEDS = Feature("min_p and per-request seeds", lambda *_: False, "")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -199,4 +200,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, IN_PROCESS, LOG)
+            LOGPROBS_ZERO, MIN_P_AND_SEEDS, IN_PROCESS, LOG)

@@ -1,0 +1,174 @@
+"""The sampler through the served engine (tpu_models/adapt/sampling.py): its
+distribution equals the one computed from transformers' logits by the definition
+of each parameter (chi-square), seeds reproduce and depend on the seed alone, and
+logprobs of every kind equal transformers' log-softmax; on both architectures."""
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import requests
+from scipy import stats
+
+from tests.tiny import Reference, make_gemma3, make_qwen3
+from tpu_models.benchmarks.process import Server, launched
+
+pytestmark = pytest.mark.e2e
+
+SAMPLES = 20_000  # per case, all of one position
+PROMPT = [7, 41, 150, 9, 77, 203]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """{"qwen3": (server, reference), "gemma3": (...)}, both starting at once."""
+    root = tmp_path_factory.mktemp("sampler")
+    models = {"qwen3": make_qwen3(root / "qwen3"), "gemma3": make_gemma3(root / "gemma3")}
+    servers = {name: Server(path, "--max-model-len", "256", "--max-num-seqs", "512",
+                            "--max-num-batched-tokens", "4096", "--max-logprobs", "20",
+                            log=root / f"{name}.log")
+               for name, path in models.items()}
+    with launched(servers):
+        for server in servers.values():
+            server.start()
+        yield {name: (servers[name], Reference(models[name])) for name in servers}
+
+
+def model(server) -> str:
+    return server.command[server.command.index("serve") + 1]  # served under its path
+
+
+def complete(server, **body):
+    response = requests.post(f"{server.url}/v1/completions", timeout=300,
+                             json={"model": model(server), **body})
+    assert response.status_code == 200, response.text[:1000]
+    return response.json()
+
+
+def sampled_ids(server, **params) -> np.ndarray:
+    """SAMPLES draws of the token after PROMPT: two requests of SAMPLES / 2 choices
+    each, in flight together; `seed` seeds the first (its children: seed, seed+1, ...)."""
+    def draw(seed):
+        reply = complete(server, prompt=PROMPT, max_tokens=1, n=SAMPLES // 2, logprobs=0,
+                         return_tokens_as_token_ids=True, seed=seed, **params)
+        return [int(c["logprobs"]["tokens"][0].removeprefix("token_id:"))
+                for c in reply["choices"]]
+
+    seed = params.pop("seed", None)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return np.array(sum(pool.map(draw, [seed, None]), []))
+
+
+def expected(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """Probabilities by vLLM's definitions, in its order: temperature, min_p (drop
+    tokens under min_p times the top probability), top-k, top-p (keep a token while
+    the mass above it is under top_p)."""
+    probs = np.exp(logits / temperature - np.max(logits / temperature))
+    probs /= probs.sum()
+    keep = probs >= min_p * probs.max()
+    order = np.argsort(-probs)
+    if top_k:
+        keep[order[top_k:]] = False
+    kept = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+    above = np.cumsum(kept[order]) - kept[order]
+    keep[order[above >= top_p]] = False
+    out = np.where(keep, probs, 0)
+    return out / out.sum()
+
+
+def chi_square_p(ids: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's test, tokens with an expected count under 5 merged into one bin;
+    a token drawn outside the support fails outright."""
+    counts = np.bincount(ids, minlength=len(probs))
+    assert counts[probs == 0].sum() == 0, np.flatnonzero(counts * (probs == 0))
+    want = probs * len(ids)
+    big = want >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(want[big], want[~big].sum())
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return stats.chisquare(observed, wanted).pvalue
+
+
+CASES = {
+    "temperature 1": {},
+    "top-k 6": {"top_k": 6},
+    "top-p 0.7": {"top_p": 0.7},
+    # Ours (tpu-inference's sampler has no min_p), half of the draws seeded.
+    "min-p 0.2, seeded": {"min_p": 0.2, "seed": 123},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sampled_distribution_is_the_reference(served, case):
+    server, reference = served["qwen3"]
+    params = {"temperature": 1.0, **CASES[case]}
+    definition = {k: v for k, v in params.items() if k != "seed"}
+    probs = expected(reference.logits(PROMPT)[-1].astype(np.float64), **definition)
+    # The case must exclude tokens and leave several: a mask that did nothing fails.
+    assert 3 <= np.count_nonzero(probs) and (case == "temperature 1" or
+                                            np.count_nonzero(probs) < len(probs) / 2)
+    ids = sampled_ids(server, **params)
+    assert len(ids) == SAMPLES and chi_square_p(ids, probs) >= 1e-3
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_seeded_replies_repeat_and_differ_by_seed(served, arch):
+    server, _ = served[arch]
+
+    def reply(seed, **extra):
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": seed,
+                "return_tokens_as_token_ids": True, "logprobs": 0, **extra}
+        return [c["logprobs"]["tokens"] for c in complete(server, **body)["choices"]]
+
+    alone = {seed: reply(seed)[0] for seed in (1, 2, 3, 2**40 + 1)}
+    assert len({tuple(r) for r in alone.values()}) == 4, alone  # seeds tell replies apart
+    # The same seed again, among 24 unseeded requests in flight: the same reply.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        noise = [pool.submit(reply, None, max_tokens=24) for _ in range(24)]
+        again = [pool.submit(reply, seed) for seed in alone]
+        assert [f.result()[0] for f in again] == list(alone.values())
+        assert len({tuple(f.result()[0]) for f in noise}) > 1  # unseeded ones vary
+    # n=3 with seed 1: children seeded 1, 2, 3 (vLLM's rule).
+    assert reply(1, n=3) == [alone[1], alone[2], alone[3]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_logprobs_of_every_kind_are_transformers_log_softmax(served, arch):
+    server, reference = served[arch]
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "return_tokens_as_token_ids": True}
+    # echo: the prompt's tokens (first has none) then the reply's, top 20 each.
+    choice = complete(server, **body, echo=True, logprobs=20)["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in choice["tokens"]]
+    assert ids[:len(PROMPT)] == PROMPT and len(ids) == len(PROMPT) + 6
+    want = reference.logits(ids).astype(np.float64)
+    want = want - np.log(np.exp(want - want.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - want.max(-1, keepdims=True)
+    assert choice["token_logprobs"][0] is None
+    # fp32 log-softmax against transformers fp32: reduction order differs, 1e-4 on O(1) values
+    got = np.array(choice["token_logprobs"][1:])
+    np.testing.assert_allclose(got, want[np.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0)
+    for position, top in enumerate(choice["top_logprobs"][1:]):
+        ranked = np.argsort(-want[position])[:20]
+        assert len(top) >= 20
+        for token in ranked[:5]:  # clear of ties: the five best of each position
+            np.testing.assert_allclose(top[f"token_id:{token}"], want[position, token],
+                                       atol=1e-4, rtol=0)
+    # prompt_logprobs: the same values, vLLM's own structure.
+    reply = complete(server, **body, prompt_logprobs=3, logprobs=0)
+    prompt_lp = reply["choices"][0]["prompt_logprobs"]
+    assert prompt_lp[0] is None
+    for position, entry in enumerate(prompt_lp[1:]):
+        token = PROMPT[position + 1]
+        assert abs(entry[str(token)]["logprob"] - want[position, token]) <= 1e-4
+    # Chat's top_logprobs: values of the reply's tokens, five alternatives each.
+    response = requests.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "model": model(server),
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+        "logprobs": True, "top_logprobs": 5})
+    assert response.status_code == 200, response.text[:500]
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) >= 1 and all(len(e["top_logprobs"]) == 5 for e in content)
+    assert all(e["logprob"] == pytest.approx(e["top_logprobs"][0]["logprob"], abs=1e-6)
+               for e in content)  # greedy: the chosen token is the most likely
