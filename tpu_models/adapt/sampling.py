@@ -38,6 +38,7 @@ def refuse_what_is_ignored(params) -> None:
     from tpu_models.adapt import guard
     if not isinstance(params, SamplingParams):
         return
+    _refuse_out_of_range(params)
     for name, is_set in IGNORED.items():
         value = getattr(params, name, None)
         if value is not None and is_set(value):
@@ -55,6 +56,44 @@ def refuse_what_is_ignored(params) -> None:
     if params.logprobs == 0 and LOGPROBS_ZERO.name in guard.refused():
         raise VLLMValidationError("logprobs=0 is not supported on this tpu-inference; ask for "
                                   "logprobs >= 1", parameter="logprobs", value=0)
+
+
+def _refuse_out_of_range(params) -> None:
+    """An int past 64 bits cannot cross to the engine (msgpack: a 500), a NaN or
+    infinite float would reach the step: a 400 naming the field instead."""
+    import math
+
+    from vllm.exceptions import VLLMValidationError
+    for name in params.__struct_fields__:
+        value = getattr(params, name)
+        items = (value if isinstance(value, (list, tuple)) else
+                 [*value, *value.values()] if isinstance(value, dict) else [value])
+        for item in items:
+            if isinstance(item, str) and isinstance(value, dict):
+                item = int(item) if item.lstrip("-").isdigit() else 0
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                continue
+            if (isinstance(item, int) and not -2**63 <= item < 2**63) or (
+                    isinstance(item, float) and not math.isfinite(item)):
+                raise VLLMValidationError(f"{name}: {item!r} is out of range",
+                                          parameter=name, value=item)
+
+
+def _structured_outputs_an_object(request_class) -> None:
+    """vLLM's check of `structured_outputs` calls .get() on whatever came: a number
+    there answered 500. Pydantic compiled the validator, hence the rebuild."""
+    from vllm.sampling_params import StructuredOutputsParams
+    validators = request_class.__pydantic_decorators__.model_validators
+    decorator = validators["check_structured_outputs_count"]
+
+    def checked(data, _original=decorator.func):
+        if isinstance(data, dict) and not isinstance(data.get("structured_outputs"), (
+                dict, StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be an object")
+        return _original(data)
+
+    validators["check_structured_outputs_count"] = dataclasses.replace(decorator, func=checked)
+    request_class.model_rebuild(force=True)
 
 
 def check_server_defaults(model_config) -> None:
@@ -97,6 +136,7 @@ def parameters_checked() -> None:
             return params
 
         request_class.to_sampling_params = to_sampling_params
+        _structured_outputs_an_object(request_class)
 
 
 class _AskingForLogprobs:
@@ -299,9 +339,13 @@ PATCHES = [
         Target(f"{PROTOCOL}.completion.protocol.CompletionRequest.to_sampling_params",
                "self max_tokens default_sampling_params"),
         Target(f"{PROTOCOL}.chat_completion.protocol.ChatCompletionRequest.to_sampling_params",
-               "self max_tokens default_sampling_params")),
+               "self max_tokens default_sampling_params"),
+        Target(f"{PROTOCOL}.completion.protocol.CompletionRequest"
+               ".check_structured_outputs_count", "data"),
+        Target(f"{PROTOCOL}.chat_completion.protocol.ChatCompletionRequest"
+               ".check_structured_outputs_count", "data")),
         "penalties, logit_bias, bad words, min_tokens were ignored; allowed_token_ids killed "
-        "the engine",
+        "the engine; huge ints and a numeric structured_outputs answered 500",
         "tests/test_sampling_params.py::test_parameters_the_sampler_ignores_get_a_400_naming_them",
         parameters_checked, upstream="tpu-inference sampler: temperature, top-k, top-p only"),
     Patch("logprobs=0 served", LOGPROBS_ZERO, (
