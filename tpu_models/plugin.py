@@ -1,14 +1,19 @@
-"""vLLM general plugin: adapts tpu-inference, then puts our architectures into its registry.
+"""vLLM general plugin: adapts tpu-inference, then puts our architectures into its registry
+and our reasoning parser (`--reasoning-parser tunix`, tpu_models.reasoning) into vLLM's.
 
 vLLM runs it in every process (API server, engine core, workers), possibly more
 than once, so it only adapts (tpu_models.adapt) and registers, idempotently.
 """
+
+REASONING_PARSERS = {"tunix": ("tpu_models.reasoning", "TunixReasoningParser")}
 
 
 def register() -> None:
     from tpu_inference.layers.common.attention_backend import (
         _REGISTERED_BACKENDS, register_attention_backend)
     from tpu_inference.models.common.model_loader import _MODEL_REGISTRY, register_model
+
+    from vllm.reasoning import ReasoningParserManager
 
     from tpu_models import adapt, registry
     from tpu_models.attention import PortableAttentionBackend
@@ -30,3 +35,7 @@ def register() -> None:
         register_attention_backend(
             PortableAttentionBackend.name, attention=PortableAttentionBackend,
             vllm_backend="tpu_models.vllm_attention.PortableVllmAttentionBackend")
+    # By name, imported on first use. `vllm serve` loads general plugins while it
+    # builds its argument parser, before it checks --reasoning-parser's choice.
+    for name, (module, class_name) in REASONING_PARSERS.items():
+        ReasoningParserManager.register_lazy_module(name, module, class_name)
