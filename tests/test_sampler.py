@@ -4,6 +4,7 @@ of each parameter (chi-square), seeds reproduce and depend on the seed alone, an
 logprobs of every kind equal transformers' log-softmax; on both architectures."""
 
 import concurrent.futures
+import json
 
 import numpy as np
 import pytest
@@ -24,6 +25,12 @@ def served(tmp_path_factory):
     """{"qwen3": (server, reference), "gemma3": (...)}, both starting at once."""
     root = tmp_path_factory.mktemp("sampler")
     models = {"qwen3": make_qwen3(root / "qwen3"), "gemma3": make_gemma3(root / "gemma3")}
+    # A second end-of-sequence id, a token Gemma 3's greedy reply reaches (ignore_eos).
+    reply = Reference(models["gemma3"]).greedy(PROMPT, 24)
+    stop_at = next(i for i in range(6, 24) if reply[i] not in reply[:i])
+    config = json.loads((models["gemma3"] / "generation_config.json").read_text())
+    config["eos_token_id"] = [config["eos_token_id"], reply[stop_at]]
+    (models["gemma3"] / "generation_config.json").write_text(json.dumps(config))
     servers = {name: Server(path, "--max-model-len", "256", "--max-num-seqs", "512",
                             "--max-num-batched-tokens", "4096", "--max-logprobs", "20",
                             log=root / f"{name}.log")
@@ -172,3 +179,76 @@ def test_logprobs_of_every_kind_are_transformers_log_softmax(served, arch):
     assert len(content) >= 1 and all(len(e["top_logprobs"]) == 5 for e in content)
     assert all(e["logprob"] == pytest.approx(e["top_logprobs"][0]["logprob"], abs=1e-6)
                for e in content)  # greedy: the chosen token is the most likely
+
+
+def token_ids(choice) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+def test_stopping_parameters_follow_their_definitions(served):
+    server, reference = served["qwen3"]
+    tokenizer = reference_tokenizer(server)
+    want = reference.greedy(PROMPT, 24)
+    body = {"prompt": PROMPT, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+
+    def run(**extra):
+        return complete(server, **{**body, "max_tokens": 24, **extra})["choices"][0]
+
+    choice = run(max_tokens=5)
+    assert token_ids(choice) == want[:5] and choice["finish_reason"] == "length"
+    # stop_token_ids: ends at the first one, which is in the output (not special).
+    j = next(i for i in range(3, 24) if want[i] not in want[:i])
+    choice = run(stop_token_ids=[want[j]])
+    assert token_ids(choice) == want[:j + 1] and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == want[j]
+    # stop strings: the text up to the first occurrence, with it if asked.
+    text = tokenizer.decode(want)
+    stop = tokenizer.decode(want[j:j + 2])
+    cut = text.index(stop)
+    assert run(stop=[stop], logprobs=None)["text"] == text[:cut]
+    assert run(stop=[stop], include_stop_str_in_output=True,
+               logprobs=None)["text"] == text[:cut + len(stop)]
+    # repetition_detection: the first output prefix ending in a pattern of 1-4 tokens
+    # repeated 3 times (vLLM's scheduler, any platform).
+    long = reference.greedy(PROMPT, 120)
+    end = next(n for n in range(1, 121) if any(
+        n >= 3 * size and long[n - size:n] * 3 == long[n - 3 * size:n] for size in range(1, 5)))
+    choice = run(max_tokens=120, repetition_detection={"max_pattern_size": 4, "min_count": 3})
+    assert end < 120 and token_ids(choice) == long[:end]
+
+
+def reference_tokenizer(server):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model(server))
+
+
+def test_ignore_eos_runs_past_the_end_of_sequence(served):
+    server, reference = served["gemma3"]
+    want = reference.greedy(PROMPT, 24)
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 24, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    stopped = complete(server, **body)["choices"][0]
+    stop_at = len(token_ids(stopped))
+    assert stop_at < 24 and stopped["finish_reason"] == "stop"
+    assert token_ids(stopped) == want[:stop_at]
+    assert token_ids(complete(server, **body, ignore_eos=True)["choices"][0]) == want
+
+
+def test_beam_search_keeps_the_most_likely_beams(served):
+    """Beam search by its definition over transformers' log-probabilities: every
+    step keeps the `width` most likely extensions of the kept beams."""
+    server, reference = served["qwen3"]
+    width, length = 3, 4
+    beams = [(0.0, [])]
+    for _ in range(length):
+        grown = []
+        for score, ids in beams:
+            logits = reference.logits(PROMPT + ids)[-1].astype(np.float64)
+            logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+            grown += [(score + logp[t], ids + [int(t)]) for t in np.argsort(-logp)[:2 * width]]
+        beams = sorted(grown, key=lambda b: -b[0])[:width]
+    tokenizer = reference_tokenizer(server)
+    reply = complete(server, prompt=PROMPT, max_tokens=length, n=width, use_beam_search=True,
+                     temperature=0)
+    assert [c["text"] for c in reply["choices"]] == [tokenizer.decode(ids) for _, ids in beams]
