@@ -101,8 +101,8 @@ CASES = {
     "temperature 1": {},
     "top-k 6": {"top_k": 6},
     "top-p 0.7": {"top_p": 0.7},
-    # Ours (tpu-inference's sampler has no min_p), half of the draws seeded.
-    "min-p 0.2, seeded": {"min_p": 0.2, "seed": 123},
+    # Ours (tpu-inference's sampler has none of them), half of the draws seeded.
+    "min-p 0.2, logit_bias, seeded": {"min_p": 0.2, "logit_bias": "lift the 4th", "seed": 123},
 }
 
 
@@ -110,8 +110,13 @@ CASES = {
 def test_sampled_distribution_is_the_reference(served, case):
     server, reference = served["qwen3"]
     params = {"temperature": 1.0, **CASES[case]}
-    definition = {k: v for k, v in params.items() if k != "seed"}
-    probs = expected(reference.logits(PROMPT)[-1].astype(np.float64), **definition)
+    logits = reference.logits(PROMPT)[-1].astype(np.float64)
+    if "logit_bias" in params:  # +1.5 on the 4th most likely token: added before temperature
+        lifted = int(np.argsort(-logits)[3])
+        params["logit_bias"] = {str(lifted): 1.5}
+        logits[lifted] += 1.5
+    definition = {k: v for k, v in params.items() if k not in ("seed", "logit_bias")}
+    probs = expected(logits, **definition)
     # The case must exclude tokens and leave several: a mask that did nothing fails.
     assert 3 <= np.count_nonzero(probs) and (case == "temperature 1" or
                                             np.count_nonzero(probs) < len(probs) / 2)
@@ -252,3 +257,65 @@ def test_beam_search_keeps_the_most_likely_beams(served):
     reply = complete(server, prompt=PROMPT, max_tokens=length, n=width, use_beam_search=True,
                      temperature=0)
     assert [c["text"] for c in reply["choices"]] == [tokenizer.decode(ids) for _, ids in beams]
+
+
+def greedy_by_definition(reference, prompt, max_tokens, *, bias=None, allowed=None,
+                         min_tokens=0, stop_ids=()):
+    """Greedy ids over transformers' logits with vLLM's definitions applied: only
+    `allowed` may be chosen, `bias` is added, stop ids are masked for the first
+    `min_tokens` tokens; ends after a stop id."""
+    ids = []
+    while len(ids) < max_tokens:
+        logits = reference.logits(prompt + ids)[-1].astype(np.float64)
+        if allowed is not None:
+            logits = np.where(np.isin(np.arange(len(logits)), allowed), logits, -np.inf)
+        for token, value in (bias or {}).items():
+            logits[token] += value
+        if len(ids) < min_tokens:
+            logits[list(stop_ids)] = -np.inf
+        ids.append(int(np.argmax(logits)))
+        if ids[-1] in stop_ids:
+            break
+    return ids
+
+
+def test_logit_bias_and_allowed_token_ids_follow_their_definitions(served):
+    server, reference = served["qwen3"]
+    plain = reference.greedy(PROMPT, 8)
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 8, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    # -100 on the first greedy token and +5 on a token it would not choose.
+    bias = {plain[0]: -100.0, plain[3] + 1: 5.0}
+    want = greedy_by_definition(reference, PROMPT, 8, bias=bias)
+    assert want != plain
+    choice = complete(server, **body, logit_bias={str(k): v for k, v in bias.items()})
+    assert token_ids(choice["choices"][0]) == want
+    # allowed ids: none of the unrestricted reply's first three tokens.
+    allowed = sorted(set(range(20, 60)) - set(plain))
+    want = greedy_by_definition(reference, PROMPT, 8, allowed=allowed)
+    choice = complete(server, **body, allowed_token_ids=allowed)
+    assert token_ids(choice["choices"][0]) == want and set(want) <= set(allowed)
+    # Sampled too: every draw is an allowed id (and the batch's other rows are not).
+    sampled = complete(server, prompt=PROMPT, max_tokens=4, temperature=1.0, n=64, logprobs=0,
+                       return_tokens_as_token_ids=True, allowed_token_ids=allowed[:5])
+    drawn = {t for c in sampled["choices"] for t in token_ids(c)}
+    assert drawn <= set(allowed[:5]) and len(drawn) > 1
+
+
+def test_min_tokens_masks_the_end_of_sequence_until_reached(served):
+    server, reference = served["gemma3"]
+    config = json.loads((reference_dir(server) / "generation_config.json").read_text())
+    stop_ids = set(config["eos_token_id"])
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 24, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    stopped = len(token_ids(complete(server, **body)["choices"][0]))
+    want = greedy_by_definition(reference, PROMPT, 24, min_tokens=stopped + 2,
+                                stop_ids=tuple(stop_ids))
+    assert len(want) > stopped
+    got = complete(server, **body, min_tokens=stopped + 2)["choices"][0]
+    assert token_ids(got) == want
+
+
+def reference_dir(server):
+    from pathlib import Path
+    return Path(model(server))

@@ -16,7 +16,7 @@ from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_finite
 from tpu_models.loaders.lora import LoraAdapter
 from tpu_models.loaders.tables import check_checkpoint
 from tpu_models.quant import checkpoint as prequantized
-from tpu_models.adapt import sampling
+from tpu_models.adapt import request_checks
 from tpu_models.host import host_platform
 
 logger = init_logger(__name__)
@@ -50,7 +50,7 @@ class EngineSettings:
             raise ValueError(f"tpu-models: --kv-cache-dtype {kv_cache_dtype} is not supported "
                              f"by our attention (supported: {', '.join(KV_CACHE_DTYPES)})")
         check_prequantized(vllm_config)
-        sampling.check_server_defaults(vllm_config.model_config)
+        request_checks.check_server_defaults(vllm_config.model_config)
         return cls(
             dtype=vllm_config.model_config.dtype,
             quant_config=getattr(vllm_config, "quant_config", None),

@@ -16,7 +16,7 @@ from tpu_models.adapt import guard
 
 # Upstream subsystems, in the order their patches are installed.
 MODULES = ("host_portability", "engine", "kv_cache", "lora", "speculative", "structured_output",
-           "sampling")
+           "sampling", "request_checks")
 _applied = False
 
 

@@ -70,7 +70,8 @@ SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lam
                           "install tpu-inference==" + WRITTEN_FOR)
 # Refused, these requests get a 400 instead (adapt.sampling).
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
-MIN_P_AND_SEEDS = Feature("min_p and per-request seeds", lambda *_: False, "")
+SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids and min_tokens",
+                         lambda *_: False, "")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -200,4 +201,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, MIN_P_AND_SEEDS, IN_PROCESS, LOG)
+            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, LOG)

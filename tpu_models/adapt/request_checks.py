@@ -1,0 +1,186 @@
+"""Requests: a 400 before the engine for what the sampler cannot do or a value that
+would break the engine.
+
+tpu-inference's sampler applies temperature, top-k and top-p, and adapt.sampling
+adds min_p, seeds, logit_bias, allowed_token_ids and min_tokens. Penalties and bad
+words reached the engine and were dropped there (the reply was the one without
+them); each is refused with a 400 naming the parameter, for every model
+tpu-inference runs, as are values vLLM's request handling answered with a 500.
+vLLM's engine core dies on an exception inside a step: nothing may reach it that
+could raise there.
+"""
+
+import dataclasses
+
+from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS, Patch, Target
+
+# SamplingParams field -> whether a value asks for something the sampler ignores.
+IGNORED = {
+    "presence_penalty": lambda v: v != 0,
+    "frequency_penalty": lambda v: v != 0,
+    "repetition_penalty": lambda v: v != 1,
+    "bad_words": bool,
+    "logprob_token_ids": lambda v: v is not None,
+    "thinking_token_budget": lambda v: v is not None,
+}
+# What adapt.sampling adds to the sampler: refused only where it could not be installed.
+ADDED = {
+    "min_p": lambda p: p.min_p > 0,
+    "seed": lambda p: p.sampling_type.name == "RANDOM_SEED",
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "min_tokens": lambda p: p.min_tokens > 0,
+}
+# Drafts are verified by tpu-inference's rejection sampler, which knows none of them
+# (vLLM itself refuses min_p and logit_bias beside drafts).
+NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens")
+
+
+def refuse_what_is_ignored(params) -> None:
+    """Raises vLLM's validation error (HTTP 400, `param` set) for a parameter the
+    sampler would drop; passes anything else (pooling params included)."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    from tpu_models.adapt import guard
+    if not isinstance(params, SamplingParams):
+        return
+    _refuse_out_of_range(params)
+    for name, is_set in IGNORED.items():
+        value = getattr(params, name, None)
+        if value is not None and is_set(value):
+            raise VLLMValidationError(
+                f"{name}={value!r} is not supported by tpu-inference's sampler: the reply "
+                "would ignore it", parameter=name, value=value)
+    if SAMPLER_EXTRAS.name in guard.refused():
+        for name, is_set in ADDED.items():
+            if is_set(params):
+                raise VLLMValidationError(f"{name} is not supported on this tpu-inference",
+                                          parameter=name, value=getattr(params, name))
+    if params.logprobs == 0 and LOGPROBS_ZERO.name in guard.refused():
+        raise VLLMValidationError("logprobs=0 is not supported on this tpu-inference; ask for "
+                                  "logprobs >= 1", parameter="logprobs", value=0)
+
+
+def _refuse_out_of_range(params) -> None:
+    """An int past 64 bits cannot cross to the engine (msgpack: a 500), a NaN or
+    infinite float would reach the step: a 400 naming the field instead."""
+    import math
+
+    from vllm.exceptions import VLLMValidationError
+    for name in params.__struct_fields__:
+        value = getattr(params, name)
+        items = (value if isinstance(value, (list, tuple)) else
+                 [*value, *value.values()] if isinstance(value, dict) else [value])
+        for item in items:
+            if isinstance(item, str) and isinstance(value, dict):
+                item = int(item) if item.lstrip("-").isdigit() else 0
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                continue
+            if (isinstance(item, int) and not -2**63 <= item < 2**63) or (
+                    isinstance(item, float) and not math.isfinite(item)):
+                raise VLLMValidationError(f"{name}: {item!r} is out of range",
+                                          parameter=name, value=item)
+
+
+def _structured_outputs_an_object(request_class) -> None:
+    """vLLM's check of `structured_outputs` calls .get() on whatever came: a number
+    there answered 500. Pydantic compiled the validator, hence the rebuild."""
+    from vllm.sampling_params import StructuredOutputsParams
+    validators = request_class.__pydantic_decorators__.model_validators
+    decorator = validators["check_structured_outputs_count"]
+
+    def checked(data, _original=decorator.func):
+        if isinstance(data, dict) and not isinstance(data.get("structured_outputs"), (
+                dict, StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be an object")
+        return _original(data)
+
+    validators["check_structured_outputs_count"] = dataclasses.replace(decorator, func=checked)
+    request_class.model_rebuild(force=True)
+
+
+def check_server_defaults(model_config) -> None:
+    """A checkpoint's generation_config.json is every request's default: one the
+    sampler cannot apply would have every request refused. Stop at start-up instead."""
+    defaults = model_config.get_diff_sampling_param()
+    for name, is_set in IGNORED.items():
+        if name in defaults and is_set(defaults[name]):
+            raise ValueError(
+                f"tpu-models: {model_config.model}'s generation_config.json sets {name}="
+                f"{defaults[name]!r}, which tpu-inference's sampler cannot apply, so every "
+                "request would be refused; serve without the checkpoint's sampling defaults "
+                "(--generation-config vllm) or override it (--override-generation-config "
+                f"'{{\"{name}\": ...}}')")
+
+
+def parameters_checked() -> None:
+    from tpu_inference.platforms.tpu_platform import TpuPlatform
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.sampling_params import SamplingType
+
+    original_validate = TpuPlatform.validate_request
+
+    def validate_request(cls, processed_inputs, params):
+        refuse_what_is_ignored(params)  # every entry point, offline vllm.LLM included
+        if getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED:
+            return  # its only check, "JAX does not support per-request seed": we sample seeds
+        return original_validate(processed_inputs, params)
+
+    TpuPlatform.validate_request = classmethod(validate_request)
+    # Also where the OpenAI server builds the parameters: a streamed request is then
+    # refused before its 200 response starts.
+    for request_class in (CompletionRequest, ChatCompletionRequest):
+        original = request_class.to_sampling_params
+
+        def to_sampling_params(self, max_tokens, default_sampling_params, _original=original):
+            params = _original(self, max_tokens, default_sampling_params)
+            refuse_what_is_ignored(params)
+            return params
+
+        request_class.to_sampling_params = to_sampling_params
+        _structured_outputs_an_object(request_class)
+
+
+def not_beside_drafts() -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    original = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self, speculative_config):
+        original(self, speculative_config)  # vLLM's: min_p, logit_bias
+        for name in NOT_WITH_DRAFTS if speculative_config is not None else ():
+            if ADDED[name](self):
+                raise VLLMValidationError(
+                    f"{name} is not supported with speculative decoding on tpu-inference",
+                    parameter=name, value=getattr(self, name))
+
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+PROTOCOL = "vllm.entrypoints.openai"
+PATCHES = [
+    Patch("sampling parameters the sampler ignores refused", SAMPLING_CHECKS, (
+        Target("tpu_inference.platforms.tpu_platform.TpuPlatform.validate_request",
+               "processed_inputs params"),
+        Target(f"{PROTOCOL}.completion.protocol.CompletionRequest.to_sampling_params",
+               "self max_tokens default_sampling_params"),
+        Target(f"{PROTOCOL}.chat_completion.protocol.ChatCompletionRequest.to_sampling_params",
+               "self max_tokens default_sampling_params"),
+        Target(f"{PROTOCOL}.completion.protocol.CompletionRequest"
+               ".check_structured_outputs_count", "data"),
+        Target(f"{PROTOCOL}.chat_completion.protocol.ChatCompletionRequest"
+               ".check_structured_outputs_count", "data")),
+        "penalties and bad words were ignored; allowed_token_ids killed the engine; huge ints "
+        "answered 500",
+        "tests/test_sampling_params.py::test_parameters_the_sampler_ignores_get_a_400_naming_them",
+        parameters_checked, upstream="tpu-inference sampler: temperature, top-k, top-p only"),
+    Patch("sampler additions refused beside drafts", SAMPLER_EXTRAS, (
+        Target("vllm.sampling_params.SamplingParams._validate_spec_decode",
+               "self speculative_config"), ),
+        "the rejection sampler would verify drafts without seed, allowed ids or min_tokens",
+        "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
+        not_beside_drafts),
+]
