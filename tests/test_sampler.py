@@ -319,3 +319,16 @@ def test_min_tokens_masks_the_end_of_sequence_until_reached(served):
 def reference_dir(server):
     from pathlib import Path
     return Path(model(server))
+
+
+def test_skip_special_tokens_decides_whether_they_are_in_the_text(served):
+    server, reference = served["qwen3"]
+    tokenizer = reference_tokenizer(server)
+    special = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 4, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "allowed_token_ids": special + [65]}
+    for skip in (True, False):
+        choice = complete(server, **body, skip_special_tokens=skip)["choices"][0]
+        ids = token_ids(choice)
+        assert set(ids) & set(special), ids  # the reply has special tokens to skip or keep
+        assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=skip)
