@@ -113,5 +113,18 @@ def test_builtin_qwen3_through_the_same_portability_layer(tmp_path):
                 log=tmp_path / "serve.log") as s:
         assert "Qwen3ForCausalLM" in s.output()
         got = complete_all(s, prompts)
+        # Its sampler is the one adapt.sampling extends: seeds and logit_bias apply here too.
+        client = s.client()
+
+        def first_ids(**params):
+            reply = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6,
+                                              logprobs=0, **params,
+                                              extra_body={"return_tokens_as_token_ids": True})
+            return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+
+        assert first_ids(temperature=1.0, seed=7) == first_ids(temperature=1.0, seed=7)
+        logits = reference.logits(prompts[0])[-1]
+        biased = first_ids(temperature=0, logit_bias={str(int(np.argmax(logits))): -100})
+        assert biased[0] == int(np.argsort(-logits)[1])
     for prompt, ids in zip(prompts, got):
         assert ids == reference.greedy(prompt, MAX_TOKENS)
