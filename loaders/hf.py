@@ -44,6 +44,7 @@ class HfCheckpoint:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        self.source = self.directory  # where the tensors live, as messages name it
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory")
         self.files = self._files()
@@ -218,16 +219,25 @@ def _read_header(file: Path) -> list[TensorInfo]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file}: corrupted safetensors header: not valid JSON ({e})") from e
+    return header_tensors(file, header, size - 8 - length, header_bytes=8 + length, size=size)
+
+
+def header_tensors(file, header, data_bytes: int | None, *, header_bytes: int = 0,
+                   size: int | None = None, where: str | None = None) -> list[TensorInfo]:
+    """The tensors a parsed safetensors header describes, each checked: a known dtype,
+    a shape its bytes fit, spans back to back. data_bytes: the bytes after the header,
+    None when unknown (object storage: the end is then not checked against the file's);
+    where: the file as messages name it (default `file`)."""
+    where = where or file
     if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: corrupted safetensors header: not a JSON object")
-    data_bytes = size - 8 - length
+        raise CheckpointError(f"{where}: corrupted safetensors header: not a JSON object")
     infos, spans = [], []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
 
         def bad(what: str) -> CheckpointError:
-            return CheckpointError(f"{file}: corrupted safetensors header: tensor {name} {what}")
+            return CheckpointError(f"{where}: corrupted safetensors header: tensor {name} {what}")
 
         if not isinstance(entry, dict):
             raise bad("is not described by a JSON object")
@@ -248,17 +258,17 @@ def _read_header(file: Path) -> list[TensorInfo]:
     end = 0
     for begin, stop, name in sorted(spans):
         if begin != end:
-            raise CheckpointError(f"{file}: corrupted safetensors header: tensor {name} starts at "
+            raise CheckpointError(f"{where}: corrupted safetensors header: tensor {name} starts at "
                                   f"data byte {begin}, expected {end} (overlapping or a gap)")
-        if stop > data_bytes:
+        if data_bytes is not None and stop > data_bytes:
             raise CheckpointError(
-                f"{file}: truncated: tensor {name} needs bytes {8 + length + begin}.."
-                f"{8 + length + stop} but the file ends at {size} (a complete file has "
-                f"{8 + length + max(s[1] for s in spans)} bytes)")
+                f"{where}: truncated: tensor {name} needs bytes {header_bytes + begin}.."
+                f"{header_bytes + stop} but the file ends at {size} (a complete file has "
+                f"{header_bytes + max(s[1] for s in spans)} bytes)")
         end = stop
-    if end != data_bytes:
-        raise CheckpointError(f"{file}: corrupted: {data_bytes - end} bytes after the last tensor "
-                              f"(the header accounts for {8 + length + end} of {size} bytes)")
+    if data_bytes is not None and end != data_bytes:
+        raise CheckpointError(f"{where}: corrupted: {data_bytes - end} bytes after the last "
+                              f"tensor (the header accounts for {header_bytes + end} of {size} bytes)")
     return infos
 
 

@@ -191,13 +191,16 @@ def check_checkpoint(checkpoint, config: Any, table: Mapping[str, tuple[int, ...
     that contradict config.json name both the field and the tensor, then list
     the tensor problems that follow from it."""
     raw, path = read_config(checkpoint.directory)
+    source = checkpoint.source  # object storage: config.json was pulled into `directory`
+    if source != checkpoint.directory:
+        path = f"{source}/config.json"
     found = {n: (i.shape, i.file.name) for n, i in checkpoint.tensors.items()}
     problems = tensor_problems(found, table, optional=optional)
     if not problems:
         return
     blame = config_disagreements(config, raw.get("text_config") or raw, found)
     if not blame:
-        raise CheckpointError(f"{checkpoint.directory}: " + "; ".join(problems))
+        raise CheckpointError(f"{source}: " + "; ".join(problems))
     more = f"; ... and {len(problems) - 6} more" if len(problems) > 6 else ""
     raise CheckpointError(f"{path} disagrees with the tensors: " + "; ".join(blame) +
                           ". Hence: " + "; ".join(problems[:6]) + more)

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from tpu_models.loaders.object_storage import is_object_storage
 from tpu_models.quant import rules as quant_rules
 from tpu_models.server import middleware
 from tpu_models import host, registry
@@ -31,6 +32,10 @@ SPECULATIVE = {
 CPU_BATCHED_TOKENS = 256
 # Sequences per engine step off-TPU (vLLM's --max-num-seqs, default 256).
 CPU_MAX_SEQS = 64
+# A Cloud Storage emulator, as each client finds it: google-cloud-storage and gcsfs,
+# the runai streamer's C++ client, tensorstore. Given one, serve sets the others.
+GCS_EMULATOR = ("STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT",
+                "TENSORSTORE_GCS_HTTP_URL")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,6 +90,10 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         # up to this count (8, 16, ... 256 by default, the largest the slowest);
         # a CPU host is saturated long before 64 sequences a step.
         vllm_args += ["--max-num-seqs", str(CPU_MAX_SEQS)]
+    if model is not None and is_object_storage(model):
+        if not _given(vllm_args, "--load-format"):
+            vllm_args += ["--load-format", "runai_streamer"]  # vLLM's way to object storage
+        emulated_storage(env)
     if model is None:
         model = str(DEFAULT_MODEL)
         if not _given(vllm_args, "--served-model-name"):
@@ -111,6 +120,20 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
     command = [sys.executable, "-m", "tpu_models.server.vllm_main", "serve", model, *vllm_args]
     return command, env
+
+
+def emulated_storage(env: dict) -> None:
+    """With a Cloud Storage emulator named, every client is pointed at it, with
+    anonymous credentials (the runai streamer's listing would otherwise ask
+    google.auth.default() and fail). Without one: the client libraries' own
+    credentials, untouched."""
+    url = next((env[name] for name in GCS_EMULATOR if env.get(name)), None)
+    if url is None:
+        return
+    url = url if "://" in url else f"http://{url}"  # STORAGE_EMULATOR_HOST may be host:port
+    for name in GCS_EMULATOR:
+        env.setdefault(name, url)
+    env.setdefault("RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS", "true")
 
 
 def _with_additional_config(args: list[str], extra: dict) -> list[str]:

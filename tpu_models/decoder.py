@@ -181,6 +181,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
 
     config_class: type[DecoderConfig]
     layer_class: type[DecoderLayer]
+    WeightLoader = runtime.StreamedWeights  # takes vLLM's weight stream (object storage)
 
     def __init__(self, vllm_config: VllmConfig, rng_key: jax.Array, mesh: Mesh):
         guard.require(vllm_config, type(self))  # features whose adaptation cannot apply
@@ -246,4 +247,4 @@ class CausalLM(JaxModule, LoadableWithIterator):
         architecture = registry.by_hf_name(type(self).__name__)
         table, optional = architecture.hf_table(self.vllm_config.model_config.hf_text_config)
         return runtime.load_checkpoint(self, table, optional=optional,
-                                       extra_linear=architecture.extra_linear)
+                                       extra_linear=architecture.extra_linear, weights=weights)

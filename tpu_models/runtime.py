@@ -8,12 +8,13 @@ from jax.sharding import Mesh
 from tpu_inference.layers.common.attention_backend import AttentionBackend
 from tpu_inference.layers.common.sharding import ShardingAxisName
 from tpu_inference.logger import init_logger
-from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
+from tpu_inference.models.jax.utils.weight_utils import BaseWeightLoader, LoadableWithIterator
 from tpu_inference.utils import get_mesh_shape_product, to_torch_dtype
 from vllm.config import VllmConfig
 
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_finite
 from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.object_storage import ObjectStorageCheckpoint, is_object_storage
 from tpu_models.loaders.tables import check_checkpoint
 from tpu_models.quant import checkpoint as prequantized
 from tpu_models.adapt import request_checks
@@ -28,6 +29,11 @@ CHECK_WEIGHTS_KEY = "check_weights"
 # --kv-cache-dtype values our attention stores: one element type, per-tensor
 # scale 1.0 (quantize_kv), so no per-token-head or packed 4-bit layouts.
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's --load-format that streams safetensors (from object storage, or a local directory).
+STREAMED = "runai_streamer"
+# The streamer's read buffer; its default (40 GB, capped at the checkpoint's size) held
+# a whole copy of the weights beside them. "0": the largest tensor, as a local load.
+STREAMER_MEMORY_LIMIT = "RUNAI_STREAMER_MEMORY_LIMIT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,26 +109,62 @@ def model_directory(vllm_config: VllmConfig) -> str:
     path = getattr(model_config, "model_weights", None) or model_config.model
     if os.path.isdir(path):
         return path
+    if is_object_storage(path):  # vLLM pulled config.json and the tokenizer here
+        return model_config.model
     from huggingface_hub import snapshot_download
     return snapshot_download(path, revision=model_config.revision,
                              allow_patterns=["*.safetensors", "*.json"])
 
 
+class StreamedWeights(BaseWeightLoader):
+    """Marks our models as taking vLLM's weight stream (--load-format runai_streamer):
+    under MODEL_IMPL_TYPE=auto tpu-inference sends a model class without a
+    `WeightLoader` of this base to vLLM's PyTorch path. Never built:
+    `load_checkpoint` consumes the stream vLLM's loader hands to `load_weights`."""
+
+
+def open_checkpoint(vllm_config: VllmConfig) -> HfCheckpoint | ObjectStorageCheckpoint:
+    """The served checkpoint's tensors, from its safetensors headers (no weight read)."""
+    model_config = vllm_config.model_config
+    uri = getattr(model_config, "model_weights", None) or ""
+    if is_object_storage(uri):
+        if vllm_config.load_config.load_format != STREAMED:
+            raise CheckpointError(f"{uri} is in object storage: serve it with --load-format "
+                                  f"{STREAMED} (tpu-models serve adds it)")
+        return ObjectStorageCheckpoint(uri, model_config.model)
+    return HfCheckpoint(model_directory(vllm_config))
+
+
+def weight_stream(vllm_config: VllmConfig, checkpoint, weights, check_weights: bool):
+    """(name, tensor) one at a time: vLLM's stream under --load-format runai_streamer,
+    else read from the local files."""
+    if vllm_config.load_config.load_format != STREAMED:
+        return checkpoint.iter_tensors(check_finite=check_weights)
+    if weights is None:
+        raise ValueError(f"--load-format {STREAMED}: the engine's loader passed no weights")
+    os.environ.setdefault(STREAMER_MEMORY_LIMIT, "0")  # read by the stream's first step
+    logger.info("tpu-models: streaming weights from %s (%s=%s)", checkpoint.source,
+                STREAMER_MEMORY_LIMIT, os.environ[STREAMER_MEMORY_LIMIT])
+    return check_finite(weights, str(checkpoint.source)) if check_weights else weights
+
+
 def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
-                    extra_linear=()) -> set[str]:
+                    extra_linear=(), weights=None) -> set[str]:
     """Checks the checkpoint (and LoRA adapter, if any) against `table`, then
-    streams it into `model`, merging the adapter on the way.
+    streams it into `model`, merging the adapter on the way. `weights`: the
+    engine loader's (name, tensor) stream, used under --load-format runai_streamer.
 
     tpu-inference's loader maps HF names onto our HF-named modules, shards each
-    tensor onto the mesh and runs quantization hooks. Checking first means a
-    bad checkpoint fails in milliseconds, naming its tensors, with nothing loaded.
+    tensor onto the mesh and runs quantization hooks. Checking first (from the
+    headers, in object storage too) means a bad checkpoint fails in
+    milliseconds, naming its tensors, with nothing loaded.
     """
     vllm_config = model.vllm_config
     extra = vllm_config.additional_config or {}
-    checkpoint = HfCheckpoint(model_directory(vllm_config))
+    checkpoint = open_checkpoint(vllm_config)
     config = vllm_config.model_config.hf_text_config
     scheme = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
-    weights = set(table)  # cast to --dtype; not the scales added next
+    floating = set(table)  # cast to --dtype; not the scales added next
     if scheme:  # per-channel scales next to the quantized weights
         table = prequantized.checkpoint_table(table, scheme, str(checkpoint.directory),
                                               extra_linear=extra_linear)
@@ -132,8 +174,8 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
     if check_weights:
         logger.info("tpu-models: checking every weight for NaN and infinities (%s)",
                     CHECK_WEIGHTS_KEY)
-    tensors = in_dtype(checkpoint.iter_tensors(check_finite=check_weights),
-                       to_torch_dtype(vllm_config.model_config.dtype), names=weights)
+    tensors = in_dtype(weight_stream(vllm_config, checkpoint, weights, check_weights),
+                       to_torch_dtype(vllm_config.model_config.dtype), names=floating)
     adapter_dir = extra.get(LORA_KEY)
     if adapter_dir:
         adapter = LoraAdapter(adapter_dir)
@@ -145,7 +187,7 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
                     adapter_dir, adapter.rank, adapter.scale, len(adapter.targets))
         tensors = adapter.merge(tensors)
     logger.info("tpu-models: loading %d tensors from %s", len(checkpoint.tensors),
-                checkpoint.directory)
+                checkpoint.source)
     loaded = LoadableWithIterator.load_weights(model, tensors)
     _return_freed_memory()
     return loaded
