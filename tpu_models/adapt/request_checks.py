@@ -13,6 +13,8 @@ could raise there.
 import dataclasses
 
 from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS, Patch, Target
+# What adapt.sampling adds to the sampler: refused only where it could not be installed.
+from tpu_models.adapt.sampling import ADDED
 
 # SamplingParams field -> whether a value asks for something the sampler ignores.
 IGNORED = {
@@ -22,14 +24,6 @@ IGNORED = {
     "bad_words": bool,
     "logprob_token_ids": lambda v: v is not None,
     "thinking_token_budget": lambda v: v is not None,
-}
-# What adapt.sampling adds to the sampler: refused only where it could not be installed.
-ADDED = {
-    "min_p": lambda p: p.min_p > 0,
-    "seed": lambda p: p.sampling_type.name == "RANDOM_SEED",
-    "logit_bias": lambda p: bool(p.logit_bias),
-    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
-    "min_tokens": lambda p: p.min_tokens > 0,
 }
 # Drafts are verified by tpu-inference's rejection sampler, which knows none of them
 # (vLLM itself refuses min_p and logit_bias beside drafts).

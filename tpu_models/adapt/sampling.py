@@ -92,10 +92,19 @@ def _bucket(n: int) -> int:
     return max(8, 1 << (n - 1).bit_length())
 
 
+# What we add to the sampler: SamplingParams field -> whether a request asks for it.
+# (A seed at temperature 0 asks for nothing: greedy decoding is reproducible.)
+ADDED = {
+    "min_p": lambda p: p.min_p > 0,
+    "seed": lambda p: p.sampling_type.name == "RANDOM_SEED",
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "min_tokens": lambda p: p.min_tokens > 0,
+}
+
+
 def _wants_extras(params) -> bool:
-    return bool(params is not None and (
-        params.min_p > 0 or params.seed is not None or params.logit_bias
-        or params.allowed_token_ids is not None or params.min_tokens > 0))
+    return params is not None and any(is_set(params) for is_set in ADDED.values())
 
 
 # Live requests that need ExtendedMetadata (added with the request, pruned as they
