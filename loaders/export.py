@@ -1,8 +1,9 @@
-"""Offline conversions that end in an HF checkpoint directory.
+"""Offline conversions that end in an HF checkpoint directory (or gs:// prefix).
 
 Each takes the architecture's registry entry (`arch`: its HF table, MaxText and
 Tunix mappings; see tpu_models/registry.py), looked up by the caller: loaders
-know checkpoint formats, not architectures.
+know checkpoint formats, not architectures. MaxText and Tunix checkpoints are
+read from a local directory or gs://; every other input is a local directory.
 """
 
 import json
@@ -29,11 +30,24 @@ def copy_side_files(source: Path, writer: HfWriter, skip: tuple[str, ...] = ()) 
             writer.copy_file(source / name)
 
 
+def _local(path: str | Path, what: str) -> Path:
+    if "://" in str(path):
+        raise CheckpointError(f"{path}: {what} is read from a local directory (from gs://: "
+                              "MaxText and Tunix checkpoints only, so far)")
+    return Path(path)
+
+
+def _written(out: str | Path) -> Path | str:
+    """What an export returns: the local path, or the gs:// URI."""
+    return str(out).rstrip("/") if "://" in str(out) else Path(out)
+
+
 def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *, arch,
-               overwrite: bool = False) -> Path:
+               overwrite: bool = False) -> Path | str:
     """Writes base + LoRA adapter, merged, as a new HF checkpoint at `out`."""
     check_out(out, overwrite)
-    base = Path(base)
+    base = _local(base, "the base checkpoint")
+    adapter_dir = _local(adapter_dir, "the adapter")
     if not (base / "config.json").exists():
         raise CheckpointError(f"{base}: no config.json")
     config, _ = read_config(base)
@@ -42,17 +56,18 @@ def lora_merge(base: str | Path, adapter_dir: str | Path, out: str | Path, *, ar
     check_checkpoint(checkpoint, config, table, optional=optional)
     adapter = LoraAdapter(adapter_dir)
     adapter.check_base(table)
-    with HfWriter(out, overwrite=overwrite) as writer:
+    with HfWriter(out, overwrite=overwrite, source=f"{base} + {adapter_dir}") as writer:
         writer.add_all(adapter.merge(checkpoint.iter_tensors()))
         copy_side_files(base, writer)
-    return Path(out)
+    return _written(out)
 
 
-def text_only(source: str | Path, out: str | Path, *, arch, overwrite: bool = False) -> Path:
+def text_only(source: str | Path, out: str | Path, *, arch, overwrite: bool = False
+              ) -> Path | str:
     """Extracts the language model of a multimodal checkpoint (`arch.multimodal`: where
     its tensors are, its text config) as a text-only `arch` checkpoint, same weights."""
     check_out(out, overwrite)
-    source, multimodal = Path(source), arch.multimodal
+    source, multimodal = _local(source, "a multimodal checkpoint"), arch.multimodal
     checkpoint = HfCheckpoint(source)
     renames, unknown = {}, []
     for name in checkpoint.tensors:
@@ -67,11 +82,11 @@ def text_only(source: str | Path, out: str | Path, *, arch, overwrite: bool = Fa
     config = {**multimodal.text_config(str(source)), "architectures": [arch.hf_name]}
     check_tensors({new: (checkpoint.tensors[old].shape, checkpoint.tensors[old].file.name)
                    for old, new in renames.items()}, arch.hf_table(config)[0], where=str(source))
-    with HfWriter(out, overwrite=overwrite) as writer:
+    with HfWriter(out, overwrite=overwrite, source=str(source)) as writer:
         writer.add_all((renames[name], t) for name, t in checkpoint.iter_tensors() if name in renames)
         writer.write_json("config.json", config)
         copy_side_files(source, writer, skip=("config.json", ))
-    return Path(out)
+    return _written(out)
 
 
 def plan_export(shape_of, leaves: set[str], rules: dict, table: dict, *, where: str,
@@ -127,8 +142,9 @@ def _config_with_dtype(config: dict, dtype: str | None) -> dict:
 
 def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
           lora_alpha: float | None = None, adapter_only: bool = False,
-          dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
-    """A Tunix checkpoint as an HF checkpoint (config and tokenizer from `base`).
+          dtype: str | None = None, overwrite: bool = False, progress=None) -> Path | str:
+    """A Tunix checkpoint (local or gs://) as an HF checkpoint (config and tokenizer
+    from `base`).
 
     Full weights are converted; LoRA-only states are merged into `base` with
     alpha / rank, or written as a PEFT adapter with `adapter_only`.
@@ -139,7 +155,7 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
     from tpu_models.loaders.rules import expand
     from tpu_models.loaders.tunix import TunixCheckpoint
 
-    base = Path(base)
+    base = _local(base, "--base")
     config = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() \
         else None
     if config is None:
@@ -159,12 +175,12 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
         rules = expand(source.weight_table(arch.tunix), config["num_hidden_layers"])
         plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
                            optional=optional)
-        with HfWriter(out, overwrite=overwrite) as writer:
+        with HfWriter(out, overwrite=overwrite, source=str(checkpoint)) as writer:
             for name, rule in _progress(plan, progress, "tensors"):
                 writer.add(name, _cast(rule.to_hf_array(source.read(rule.source)), dtype))
             copy_side_files(base, writer)
             writer.write_json("config.json", _config_with_dtype(config, dtype))
-        return Path(out)
+        return _written(out)
 
     alpha = lora_alpha if lora_alpha is not None else _alpha_from_metadata(source)
     pairs = source.lora_pairs(arch.tunix)
@@ -180,13 +196,14 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
     adapter = LoraAdapter.from_tensors(peft_config, tensors, where)
     adapter.check_base(table)
     if adapter_only:
-        return adapter.save(out, overwrite=overwrite)
+        adapter.save(out, overwrite=overwrite)
+        return _written(out)
     checkpoint_base = HfCheckpoint(base)
     check_checkpoint(checkpoint_base, config, table, optional=optional)
-    with HfWriter(out, overwrite=overwrite) as writer:
+    with HfWriter(out, overwrite=overwrite, source=f"{checkpoint} + {base}") as writer:
         writer.add_all(adapter.merge(checkpoint_base.iter_tensors()))
         copy_side_files(base, writer)
-    return Path(out)
+    return _written(out)
 
 
 def _alpha_from_metadata(source) -> float:
@@ -227,12 +244,13 @@ def _token_ids(tokenizer: Path) -> dict:
 def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
             tokenizer: str | Path | None = None, dtype: str | None = None,
             overrides: dict | None = None, scan: str = "auto", scan_axis: int = 1,
-            overwrite: bool = False, max_shard_bytes: int = 2**30, progress=None) -> Path:
-    """A MaxText checkpoint (scanned or not, training state or parameters only) as an
-    HF checkpoint: sharded safetensors + index, config.json, generation_config.json,
-    tokenizer files. Reads one tensor at a time; writes into a temporary directory
-    renamed into place at the end."""
+            overwrite: bool = False, max_shard_bytes: int = 2**30, progress=None) -> Path | str:
+    """A MaxText checkpoint (local or gs://; scanned or not, training state or parameters
+    only) as an HF checkpoint: sharded safetensors + index, config.json,
+    generation_config.json, tokenizer files. Reads one tensor at a time; writes into a
+    temporary directory renamed into place at the end (gs://: see HfWriter)."""
     check_out(out, overwrite)
+    tokenizer = None if tokenizer is None else _local(tokenizer, "--tokenizer")
     from tpu_models.loaders.maxtext import MaxTextCheckpoint
 
     if arch.maxtext is None:
@@ -241,7 +259,7 @@ def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
     where = str(source.orbax.item)
     config = arch.maxtext.config(source.dims())
     if tokenizer is not None:
-        config.update(_token_ids(Path(tokenizer)))
+        config.update(_token_ids(tokenizer))
     config.update(overrides or {})
     if config["num_hidden_layers"] != source.layout.num_layers:
         raise CheckpointError(f"{where}: num_hidden_layers={config['num_hidden_layers']} but the "
@@ -255,7 +273,8 @@ def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
     # Grouped by source leaf: a scanned leaf is read once for all its layers.
     plan.sort(key=lambda item: (item[1].source, item[1].index or 0))
     cached_name, cached = None, None
-    with HfWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+    with HfWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                  source=str(checkpoint)) as writer:
         for name, rule in _progress(plan, progress, "tensors"):
             if rule.source != cached_name:
                 cached_name, cached = rule.source, None
@@ -266,5 +285,5 @@ def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
         writer.write_json("generation_config.json", {
             k: v for k, v in config.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")})
         if tokenizer is not None:
-            copy_side_files(Path(tokenizer), writer, skip=("config.json", "generation_config.json"))
-    return Path(out)
+            copy_side_files(tokenizer, writer, skip=("config.json", "generation_config.json"))
+    return _written(out)

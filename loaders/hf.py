@@ -18,6 +18,8 @@ from pathlib import Path, PurePosixPath
 
 from safetensors import SafetensorError, safe_open
 
+from tpu_models.loaders.export_marker import check_export_complete
+
 INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 # Bits per element of every dtype the safetensors format defines.
@@ -47,6 +49,7 @@ class HfCheckpoint:
         self.source = self.directory  # where the tensors live, as messages name it
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory")
+        check_export_complete(self.directory, CheckpointError)  # a copy of an unfinished export
         self.files = self._files()
         self.tensors: dict[str, TensorInfo] = {}
         for file in self.files:

@@ -15,8 +15,15 @@ place a file outside it.
 safetensors writes a file from tensors held in memory, so a shard is queued
 before it is written: memory stays bounded by the shard size plus the tensor
 being added, whatever the model's size.
+
+A gs:// `out` is written through a local staging directory: each shard is
+uploaded as soon as it is complete (under a staging name, as the shard count
+is not known yet) and deleted here, so local disk holds one shard; at the end
+the shards are copied to their HF names on the server, the index and side files
+uploaded, and the markers of export_marker.py say when it is complete.
 """
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -25,12 +32,15 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePath
 
 import numpy as np
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
+from tpu_models.loaders import export_marker
+from tpu_models.loaders.export_marker import INCOMPLETE, MANIFEST, is_gcs
 from tpu_models.loaders.hf import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -42,13 +52,18 @@ def _nbytes(tensor) -> int:
 
 # What marks a directory as an export we may replace with overwrite=True.
 CHECKPOINT_MARKERS = ("config.json", "adapter_config.json", INDEX)
+# Where a gs:// export keeps its shards until their HF names are known.
+STAGING = "tpu-models-export.staging"
 
 
-def check_out(out: str | os.PathLike, overwrite: bool) -> Path:
+def check_out(out: str | os.PathLike, overwrite: bool) -> Path | str:
     """Refuses an existing `out` unless `overwrite`, and even then anything that is
     not an earlier export (an empty directory, or one with config.json,
     adapter_config.json or *.safetensors): --overwrite replaces checkpoints, never
-    a home directory given by mistake."""
+    a home directory given by mistake. The same for a gs:// prefix (returned as a
+    string, without its trailing slash)."""
+    if "://" in str(out):
+        return check_gcs_out(str(out), overwrite)
     out = Path(out).absolute()
     if not out.exists() and not out.is_symlink():
         return out
@@ -64,6 +79,28 @@ def check_out(out: str | os.PathLike, overwrite: bool) -> Path:
                               "adapter_config.json or *.safetensors); not replacing it, even "
                               "with --overwrite")
     return out
+
+
+def check_gcs_out(uri: str, overwrite: bool) -> str:
+    """check_out for a gs:// prefix: empty, or an earlier export with `overwrite`."""
+    if not is_gcs(uri):
+        raise CheckpointError(f"{uri}: exports write to a local directory or gs:// (s3:// and "
+                              "az:// are not supported yet)")
+    uri = uri.rstrip("/")
+    if not export_marker.split_gcs(uri)[1]:
+        raise CheckpointError(f"{uri}: give a prefix inside the bucket (gs://BUCKET/NAME): an "
+                              "export owns everything under its --out")
+    with _storage_errors(uri, export_marker.LISTING):
+        files, directories = export_marker.list_gcs(uri)
+    if (files or directories) and not overwrite:
+        raise CheckpointError(f"{uri} already holds objects (pass --overwrite to replace them)")
+    if (files or directories) and not any(
+            n in (*CHECKPOINT_MARKERS, MANIFEST, INCOMPLETE) or n.endswith(".safetensors")
+            for n in files):
+        raise CheckpointError(f"{uri} holds objects that do not look like a checkpoint (no "
+                              "config.json, adapter_config.json, *.safetensors or export marker); "
+                              "not replacing them, even with --overwrite")
+    return uri
 
 
 def _partial_prefix(out: Path) -> str:
@@ -132,19 +169,118 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(error, os.strerror(error), str(b))
 
 
+@contextlib.contextmanager
+def _storage_errors(uri: str, doing: str):
+    """Storage client errors as a CheckpointError naming `uri`."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:  # google-cloud-storage and its transport raise many types
+        raise CheckpointError(export_marker.storage_failure(uri, doing, e)) from e
+
+
+class GcsUpload:
+    """The Cloud Storage side of an export to gs://: markers first and last, each file
+    uploaded once complete, and on failure this export's objects deleted (the
+    .incomplete marker too, unless something could not be)."""
+
+    def __init__(self, uri: str, *, overwrite: bool, source: str | None):
+        self.uri, self.source = check_gcs_out(uri, overwrite), source
+        self.uploaded: dict[str, int] = {}  # name below the prefix -> bytes
+        self._uploader, self._in_flight = ThreadPoolExecutor(1), None
+        with _storage_errors(self.uri, "cannot write"):
+            self.client = export_marker.gcs_client()
+            bucket, self.prefix = export_marker.split_gcs(self.uri)
+            self.bucket = self.client.bucket(bucket)
+            marker = export_marker.incomplete_marker(source)
+            self.started = marker["started"]
+            self._put_json(INCOMPLETE, marker)
+        if overwrite:
+            with _storage_errors(self.uri, "cannot delete the old export"):
+                old, _ = export_marker.list_gcs(self.uri, recursive=True, client=self.client)
+                for name in set(old) - {INCOMPLETE}:
+                    self._blob(name).delete()
+
+    def _blob(self, name: str):
+        return self.bucket.blob(export_marker.gcs_key(self.prefix, name))
+
+    def _put_json(self, name: str, content: dict) -> None:
+        self._blob(name).upload_from_string(json.dumps(content, indent=2) + "\n",
+                                            content_type="application/json")
+
+    def upload(self, path: Path, name: str, delete: bool = False) -> None:
+        self.uploaded[name] = path.stat().st_size  # first: abort deletes a half-finished one
+        with _storage_errors(self.uri, f"cannot upload {name}"):
+            self._blob(name).upload_from_filename(str(path))
+        if delete:
+            path.unlink()
+
+    def upload_and_delete(self, path: Path, name: str) -> None:
+        """Uploads `path` in the background, then deletes it: the next shard's tensors are
+        read meanwhile. One upload at a time, so this disk holds at most one shard."""
+        self.wait()
+        self._in_flight = self._uploader.submit(self.upload, path, name, delete=True)
+
+    def wait(self) -> None:
+        """Returns once the background upload is done; raises its error."""
+        if self._in_flight is not None:
+            self._in_flight.result()  # interrupted (SIGTERM), it stays for abort to wait on
+            self._in_flight = None
+
+    def move(self, source: str, name: str) -> None:
+        """A server-side copy, then the source deleted (Cloud Storage has no rename)."""
+        with _storage_errors(self.uri, f"cannot copy {source} to {name}"):
+            self.bucket.copy_blob(self._blob(source), self.bucket,
+                                  export_marker.gcs_key(self.prefix, name))
+            self.uploaded[name] = self.uploaded[source]
+            self._blob(source).delete()
+            del self.uploaded[source]
+
+    def finish(self) -> None:
+        """The manifest, written last; then the .incomplete marker goes."""
+        with _storage_errors(self.uri, f"cannot write {MANIFEST}"):
+            self._put_json(MANIFEST, export_marker.manifest(self.uploaded, self.source,
+                                                            self.started))
+            self._blob(INCOMPLETE).delete()
+        self._uploader.shutdown()
+
+    def abort(self) -> None:
+        """Best effort: whatever cannot be deleted stays behind the .incomplete marker."""
+        with contextlib.suppress(Exception):
+            self.wait()  # an upload still running would create its object after the deletes
+        left = False
+        for name in list(self.uploaded):
+            try:
+                self._blob(name).delete()
+                del self.uploaded[name]
+            except Exception as e:  # NotFound: gone already
+                left = left or type(e).__name__ != "NotFound"
+        if not left:
+            with contextlib.suppress(Exception):  # else the prefix still reads as unfinished
+                self._blob(INCOMPLETE).delete()
+        self._uploader.shutdown()
+
+
 class HfWriter:
 
     def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2**30,
-                 overwrite: bool = False, weights_name: str = "model"):
-        self.out = check_out(out, overwrite)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+                 overwrite: bool = False, weights_name: str = "model", source: str | None = None):
+        self.weights_name = _check_name(weights_name)  # "adapter_model" for PEFT adapters
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
-        self.weights_name = _check_name(weights_name)  # "adapter_model" for PEFT adapters
-        remove_stale_partials(self.out)
-        self.tmp = Path(tempfile.mkdtemp(
-            prefix=f"{_partial_prefix(self.out)}{os.getpid()}@{socket.gethostname()}-",
-            dir=self.out.parent))
+        self.remote: GcsUpload | None = None
+        if "://" in str(out):
+            self.remote = GcsUpload(str(out), overwrite=overwrite, source=source)
+            self.out = self.remote.uri
+            self.tmp = Path(tempfile.mkdtemp(prefix="tpu-models-export-"))  # one shard at a time
+        else:
+            self.out = check_out(out, overwrite)
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_partials(self.out)
+            self.tmp = Path(tempfile.mkdtemp(
+                prefix=f"{_partial_prefix(self.out)}{os.getpid()}@{socket.gethostname()}-",
+                dir=self.out.parent))
         self._pending: dict[str, object] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
@@ -158,6 +294,7 @@ class HfWriter:
         size = _nbytes(tensor)
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()
+            self._ship()
         self.names.add(name)
         self._pending[name] = tensor
         self._pending_bytes += size
@@ -167,11 +304,15 @@ class HfWriter:
         for name, tensor in tensors:
             self.add(name, tensor)
 
+    def _staged(self, index: int) -> Path:
+        return self.tmp / f"shard-{index:05d}.safetensors"
+
     def _flush(self) -> None:
+        if self.remote is not None:
+            self.remote.wait()  # the previous shard is off this disk before the next is on it
         if not self._pending:
             return
-        index = len(self._shards)
-        path = self.tmp / f"shard-{index:05d}.safetensors"
+        path = self._staged(len(self._shards))
         first = next(iter(self._pending.values()))
         tensors = {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v.contiguous()
                    for k, v in self._pending.items()}
@@ -180,6 +321,12 @@ class HfWriter:
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
+    def _ship(self) -> None:
+        """gs://: a complete shard goes up under its staging name (the count is not known yet)."""
+        if self.remote is not None:
+            staged = self._staged(len(self._shards) - 1)
+            self.remote.upload_and_delete(staged, f"{STAGING}/{staged.name}")
+
     def write_json(self, name: str, content: dict) -> None:
         (self.tmp / _check_name(name)).write_text(
             json.dumps(content, indent=2, sort_keys=True) + "\n")
@@ -187,21 +334,34 @@ class HfWriter:
     def copy_file(self, source: str | os.PathLike, name: str | None = None) -> None:
         shutil.copyfile(source, self.tmp / _check_name(name or Path(source).name))
 
-    def commit(self) -> Path:
-        """Names the shards HF-style, writes the index, and renames into place."""
-        self._flush()
+    def commit(self) -> Path | str:
+        """Names the shards HF-style, writes the index, and puts everything in place."""
+        self._flush()  # gs://: waits for the upload of the one before
         count = len(self._shards)
         weight_map = {}
         for i, names in enumerate(self._shards):
             final = (f"{self.weights_name}.safetensors" if count == 1 else
                      f"{self.weights_name}-{i + 1:05d}-of-{count:05d}.safetensors")
-            (self.tmp / f"shard-{i:05d}.safetensors").rename(self.tmp / final)
+            self._place_shard(i, final)
             weight_map.update({n: final for n in names})
         if count > 1:
             self.write_json(INDEX, {"metadata": {"total_size": self.total_bytes},
                                     "weight_map": dict(sorted(weight_map.items()))})
-        self._move_into_place()
+        if self.remote is None:
+            self._move_into_place()
+            return self.out
+        for path in sorted(self.tmp.iterdir()):  # the last shard, index, config, tokenizer
+            self.remote.upload(path, path.name)
+        self.remote.finish()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return self.out
+
+    def _place_shard(self, index: int, final: str) -> None:
+        staged = self._staged(index)
+        if staged.exists():  # local, or a gs:// export's last shard (written at commit)
+            staged.rename(self.tmp / final)
+        else:  # gs://: uploaded when complete, under its staging name
+            self.remote.move(f"{STAGING}/{staged.name}", final)
 
     def _move_into_place(self) -> None:
         """The temporary directory becomes `out`, in one rename."""
@@ -219,13 +379,19 @@ class HfWriter:
         shutil.rmtree(old)
 
     def abort(self) -> None:
+        if self.remote is not None:
+            self.remote.abort()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "HfWriter":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise

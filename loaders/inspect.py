@@ -1,29 +1,85 @@
-"""What a checkpoint directory holds: format, layout, and every tensor."""
+"""What a checkpoint directory (or gs:// prefix) holds: format, layout, and every tensor."""
 
+import tempfile
 from pathlib import Path
 
+from tpu_models.loaders import export_marker
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
+
+# Names that mark an Orbax checkpoint (or a run/root directory holding one).
+ORBAX = ("_METADATA", "checkpoints", "items", "model_params")
 
 
 def describe(path: str | Path, tunix_families: dict | None = None) -> dict:
     """{"format", "layout", "tensors": [(name, shape, dtype)], "notes"} for HF, MaxText or Tunix.
 
     tunix_families: name -> loaders.tunix.TunixMapping, to name a Tunix tree's model family."""
+    if "://" in str(path):
+        if not export_marker.is_gcs(path):
+            raise CheckpointError(f"{path}: inspect reads local directories and gs:// (s3:// and "
+                                  "az:// are not supported yet)")
+        return _describe_gcs(str(path).rstrip("/"), tunix_families)
     path = Path(path)
-    orbax = any((path / p).exists() for p in ("_METADATA", "checkpoints", "items", "model_params"))
+    orbax = any((path / p).exists() for p in ORBAX)
     if not orbax and (list(path.glob("*.safetensors")) or (path / "adapter_config.json").exists()):
         if (path / "adapter_config.json").exists():
-            from tpu_models.loaders.lora import LoraAdapter
-            adapter = LoraAdapter(path)
-            tensors = [(f"{n} (A, B)", (tuple(a.shape), tuple(b.shape)), str(a.dtype))
-                       for n, (a, b) in sorted(adapter.targets.items())]
-            return {"format": "PEFT LoRA adapter", "layout": f"rank {adapter.rank}, alpha "
-                    f"{adapter.alpha}{', rsLoRA' if adapter.use_rslora else ''}",
-                    "tensors": tensors, "notes": []}
+            export_marker.check_export_complete(path, CheckpointError)
+            return _adapter(path)
         checkpoint = HfCheckpoint(path)
-        tensors = [(n, i.shape, i.dtype) for n, i in sorted(checkpoint.tensors.items())]
-        layout = f"{len(checkpoint.files)} safetensors file(s)"
-        return {"format": "HF safetensors", "layout": layout, "tensors": tensors, "notes": []}
+        return _hf(checkpoint.tensors, len(checkpoint.files))
+    return _orbax(path, tunix_families)
+
+
+def _describe_gcs(uri: str, tunix_families: dict | None) -> dict:
+    """The same from a gs:// prefix: safetensors headers through the runai streamer
+    (ObjectStorageCheckpoint), Orbax metadata through orbax, adapters copied here."""
+    try:
+        files, directories = export_marker.list_gcs(uri)
+    except Exception as e:  # the client's NotFound, Forbidden, connection errors
+        raise CheckpointError(export_marker.storage_failure(uri, export_marker.LISTING, e)) from e
+    if not files and not directories:
+        raise CheckpointError(f"{uri}: no object under this prefix")
+    export_marker.check_export_complete(uri, CheckpointError)
+    names = set(files) | directories
+    if names & set(ORBAX) or any(d.isdigit() for d in directories):
+        return _orbax(uri, tunix_families)
+    if "adapter_config.json" in files:
+        with tempfile.TemporaryDirectory(prefix="tpu-models-inspect-") as local:
+            _download(uri, ("adapter_config.json", "adapter_model.safetensors"), Path(local))
+            return _adapter(Path(local))
+    from tpu_models.loaders.object_storage import ObjectStorageCheckpoint
+    checkpoint = ObjectStorageCheckpoint(uri, tempfile.gettempdir())  # headers only
+    return _hf(checkpoint.tensors, len(checkpoint.files))
+
+
+def _download(uri: str, names: tuple[str, ...], directory: Path) -> None:
+    client = export_marker.gcs_client()
+    bucket, prefix = export_marker.split_gcs(uri)
+    for name in names:
+        try:
+            client.bucket(bucket).blob(export_marker.gcs_key(prefix, name)).download_to_filename(
+                str(directory / name))
+        except Exception as e:  # NotFound: the adapter has no weights file
+            raise CheckpointError(export_marker.storage_failure(f"{uri}/{name}", "cannot read",
+                                                                e)) from e
+
+
+def _hf(tensors: dict, files: int) -> dict:
+    return {"format": "HF safetensors", "layout": f"{files} safetensors file(s)",
+            "tensors": [(n, i.shape, i.dtype) for n, i in sorted(tensors.items())], "notes": []}
+
+
+def _adapter(directory: Path) -> dict:
+    from tpu_models.loaders.lora import LoraAdapter
+    adapter = LoraAdapter(directory)
+    tensors = [(f"{n} (A, B)", (tuple(a.shape), tuple(b.shape)), str(a.dtype))
+               for n, (a, b) in sorted(adapter.targets.items())]
+    return {"format": "PEFT LoRA adapter", "layout": f"rank {adapter.rank}, alpha "
+            f"{adapter.alpha}{', rsLoRA' if adapter.use_rslora else ''}",
+            "tensors": tensors, "notes": []}
+
+
+def _orbax(path: str | Path, tunix_families: dict | None) -> dict:
     from tpu_models.loaders.orbax_io import OrbaxCheckpoint
     orbax = OrbaxCheckpoint(path)
     tensors = [(n, shape, str(dtype)) for n, (shape, dtype) in sorted(orbax.leaves.items())]

@@ -31,8 +31,16 @@ class LoraAdapter:
     (the Tunix exporter builds adapters that way)."""
 
     def __init__(self, directory: str | Path):
+        from tpu_models.loaders.object_storage import is_object_storage, local_copy
+
+        if is_object_storage(str(directory)):
+            # Small enough to copy: read whole into memory, the copy removed at once.
+            self.directory = str(directory).rstrip("/")  # what error messages name
+            with local_copy(self.directory, (CONFIG, WEIGHTS, "adapter_model.bin")) as local:
+                self._init(self._read_config(local), self._read_tensors(local))
+            return
         self.directory = Path(directory)
-        self._init(self._read_config(), self._read_tensors())
+        self._init(self._read_config(self.directory), self._read_tensors(self.directory))
 
     @classmethod
     def from_tensors(cls, config: dict, tensors: dict[str, torch.Tensor], where: str):
@@ -51,8 +59,8 @@ class LoraAdapter:
     def _fail(self, what: str) -> CheckpointError:
         return CheckpointError(f"LoRA adapter {self.directory}: {what}")
 
-    def _read_config(self) -> dict:
-        path = self.directory / CONFIG
+    def _read_config(self, directory: Path) -> dict:
+        path = directory / CONFIG
         if not path.exists():
             raise self._fail(f"no {CONFIG}")
         try:
@@ -80,10 +88,10 @@ class LoraAdapter:
                 raise self._fail(f"{CONFIG} has no {field!r}")
         return config
 
-    def _read_tensors(self) -> dict[str, torch.Tensor]:
-        path = self.directory / WEIGHTS
+    def _read_tensors(self, directory: Path) -> dict[str, torch.Tensor]:
+        path = directory / WEIGHTS
         if not path.exists():
-            pickled = self.directory / "adapter_model.bin"
+            pickled = directory / "adapter_model.bin"
             hint = " (adapter_model.bin is pickle, which we never load)" if pickled.exists() else ""
             raise self._fail(f"no {WEIGHTS}{hint}")
         try:

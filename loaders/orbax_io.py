@@ -10,6 +10,9 @@ zarr); what differs is where the parameter tree sits:
 directory or the item directory, lists every leaf from the metadata alone,
 and reads one leaf at a time as numpy, so memory stays bounded by the largest
 tensor.
+
+A gs:// path works the same: orbax lists and reads its small files through
+etils.epath (gcsfs) and tensorstore reads the arrays with its own GCS driver.
 """
 
 import json
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpu_models.loaders import export_marker
 from tpu_models.loaders.hf import CheckpointError
 
 # Item directories inside a step directory, in the order we look for them.
@@ -29,11 +33,52 @@ def _is_item(path: Path) -> bool:
     return (path / "_METADATA").exists()
 
 
+def checkpoint_path(path: str | os.PathLike) -> Path:
+    """A local directory as an absolute Path; gs://... as an etils.epath.Path."""
+    text = str(path)
+    if "://" not in text:
+        return Path(path).absolute()
+    if not export_marker.is_gcs(text):
+        raise CheckpointError(f"{text}: Orbax checkpoints are read from local directories or "
+                              "gs:// (s3:// and az:// are not supported yet)")
+    _use_emulator()
+    from etils import epath
+    return epath.Path(text.rstrip("/"))
+
+
+def _use_emulator() -> None:
+    """With a Cloud Storage emulator named, gcsfs talks to it anonymously and tensorstore
+    sends a fixed token: neither looks for credentials nor asks a metadata server."""
+    url = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not url:
+        return
+    url = url if "://" in url else f"http://{url}"
+    import fsspec
+    fsspec.config.conf.setdefault("gs", {}).update(token="anon", endpoint_url=url)
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+
+
+def _nothing_there(path) -> str:
+    """Why `path` is not a directory: for gs://, a missing bucket or an empty prefix."""
+    if not export_marker.is_gcs(path):
+        return f"{path}: not a directory"
+    try:
+        export_marker.list_gcs(str(path))
+    except Exception as e:  # the client's NotFound, Forbidden, connection errors
+        return export_marker.storage_failure(str(path), export_marker.LISTING, e)
+    return f"{path}: no object under this prefix"
+
+
 def find_item(path: str | os.PathLike) -> Path:
     """The item directory holding the parameter tree under `path`."""
-    path = Path(path).absolute()
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
+    path = checkpoint_path(path)
+    try:
+        is_dir = path.is_dir()
+    except Exception:  # gcsfs: a missing bucket, refused credentials
+        is_dir = False
+    if not is_dir:
+        raise CheckpointError(_nothing_there(path))
     if _is_item(path):
         return path
     for name in ITEMS:

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
         # Checkpoint conversion needs no accelerator: keep JAX (imported by orbax)
         # off libtpu, which would probe for TPUs and print warnings on other hosts.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from tpu_models.server.serve import emulated_storage
+        emulated_storage(os.environ)  # one emulator variable set: every client goes there
     if command == "serve":
         from tpu_models.server import serve
         serve.main(rest)
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         export.main(rest)
     elif command == "inspect":
         if len(rest) != 1 or rest[0].startswith("-"):
-            sys.exit("usage: tpu-models inspect CKPT_DIR")
+            sys.exit("usage: tpu-models inspect CKPT_DIR|gs://BUCKET/PREFIX")
         from tpu_models.loaders.hf import CheckpointError
         from tpu_models.loaders.inspect import print_description
         from tpu_models import registry

@@ -19,9 +19,10 @@ def parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", required=True, help="directory to create")
     merge.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     maxtext = sub.add_parser("maxtext", help="a MaxText checkpoint (scanned or not) -> HF")
-    maxtext.add_argument("checkpoint", help="MaxText run directory, checkpoints/, <step>/ or items/")
+    maxtext.add_argument("checkpoint", help="MaxText run directory, checkpoints/, <step>/ or "
+                                            "items/ (local or gs://)")
     maxtext.add_argument("--model", required=True, choices=registry.export_names("maxtext"))
-    maxtext.add_argument("--out", required=True, help="directory to create")
+    maxtext.add_argument("--out", required=True, help="directory or gs:// prefix to create")
     maxtext.add_argument("--tokenizer", help="directory with the tokenizer files to ship")
     maxtext.add_argument("--dtype", choices=["bfloat16", "float32"],
                          help="weights dtype (default: the checkpoint's)")
@@ -36,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
                          help="shard size; peak memory is about this plus the largest tensor")
     maxtext.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     tunix = sub.add_parser("tunix", help="a Tunix checkpoint (full weights or qwix LoRA) -> HF")
-    tunix.add_argument("checkpoint", help="Tunix checkpoint: root, <step> or <step>/model_params")
+    tunix.add_argument("checkpoint", help="Tunix checkpoint: root, <step> or <step>/model_params "
+                                          "(local or gs://)")
     tunix.add_argument("--base", required=True,
                        help="HF checkpoint the run started from (config, tokenizer; the "
                             "weights LoRA merges into)")
@@ -46,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
                        help="write a PEFT adapter (for `tpu-models serve --lora`) instead of "
                             "merged weights")
     tunix.add_argument("--dtype", choices=["bfloat16", "float32"], help="cast weights (default: keep)")
-    tunix.add_argument("--out", required=True, help="directory to create")
+    tunix.add_argument("--out", required=True, help="directory or gs:// prefix to create")
     tunix.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     for arch in registry.architectures():
         if (mm := arch.multimodal) is not None:
@@ -72,7 +74,8 @@ def _overrides(items: list[str]) -> dict:
 
 
 def _terminated(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through HfWriter, which removes its temporary dir
+    # Unwinds through HfWriter, which removes its temporary dir (gs://: what it uploaded).
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str]) -> None:

@@ -90,10 +90,9 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         # up to this count (8, 16, ... 256 by default, the largest the slowest);
         # a CPU host is saturated long before 64 sequences a step.
         vllm_args += ["--max-num-seqs", str(CPU_MAX_SEQS)]
-    if model is not None and is_object_storage(model):
-        if not _given(vllm_args, "--load-format"):
-            vllm_args += ["--load-format", "runai_streamer"]  # vLLM's way to object storage
-        emulated_storage(env)
+    if model is not None and is_object_storage(model) and not _given(vllm_args, "--load-format"):
+        vllm_args += ["--load-format", "runai_streamer"]  # vLLM's way to object storage
+    emulated_storage(env)  # adapters and drafts may be in object storage too
     if model is None:
         model = str(DEFAULT_MODEL)
         if not _given(vllm_args, "--served-model-name"):
@@ -109,7 +108,8 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         if _given(vllm_args, "--enable-lora"):
             raise ValueError("give --lora (one adapter merged at load) or --enable-lora "
                              "(adapters chosen per request), not both")
-        vllm_args = _with_additional_config(vllm_args, {"merge_lora": os.path.abspath(args.lora)})
+        adapter = args.lora if is_object_storage(args.lora) else os.path.abspath(args.lora)
+        vllm_args = _with_additional_config(vllm_args, {"merge_lora": adapter})
     if args.check_weights:
         vllm_args = _with_additional_config(vllm_args, {"check_weights": True})
     if args.quant:

