@@ -25,6 +25,7 @@ from tpu_models.loaders.orbax_io import OrbaxCheckpoint
 from tpu_models import registry
 from tpu_models.server import cli
 from tests.storage import emulated_bucket
+from tests.test_object_storage import SENTINEL, credentials
 from tests.test_export_tunix import hf_config_dir
 
 ROOT = Path(__file__).parents[1]
@@ -208,7 +209,8 @@ def export_cli(bucket, args: list[str], tmp_path: Path, stop_with: int | None = 
     STORAGE_EMULATOR_HOST alone); with `stop_with`, sends that signal after one upload."""
     stopped = tmp_path / f"stopped-{stop_with}"
     env = {**os.environ, "STORAGE_EMULATOR_HOST": bucket.env["STORAGE_EMULATOR_HOST"],
-           "JAX_PLATFORMS": "cpu", "STOP_SIGNAL": str(stopped), "TMPDIR": str(tmp_path)}
+           "JAX_PLATFORMS": "cpu", "STOP_SIGNAL": str(stopped), "TMPDIR": str(tmp_path),
+           **credentials(tmp_path)}  # a sentinel secret: found in no output
     for name in ("TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT"):
         env.pop(name, None)  # cli.py derives them
     command = ["export", "maxtext", *args, "--model", "qwen3", "--max-shard-size", str(SHARD)]
@@ -237,6 +239,9 @@ def test_killed_export_is_refused_and_overwritten_terminated_one_cleans_up(
     result = export_cli(bucket, [maxtext_uri, "--out", out, "--overwrite"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert_same_export(objects(bucket, out), files(local_export), maxtext_uri)  # staging gone
+    for name, content in objects(bucket, out).items():
+        assert SENTINEL.encode() not in content, f"a credential written into {name}"
+    assert SENTINEL not in result.stdout + result.stderr
 
     out = f"{bucket.root}/terminated"
     export_cli(bucket, [maxtext_uri, "--out", out], tmp_path, signal.SIGTERM)
