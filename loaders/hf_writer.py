@@ -16,11 +16,10 @@ safetensors writes a file from tensors held in memory, so a shard is queued
 before it is written: memory stays bounded by the shard size plus the tensor
 being added, whatever the model's size.
 
-A gs:// `out` is written through a local staging directory: each shard is
-uploaded as soon as it is complete (under a staging name, as the shard count
-is not known yet) and deleted here, so local disk holds one shard; at the end
-the shards are copied to their HF names on the server, the index and side files
-uploaded, and the markers of export_marker.py say when it is complete.
+A gs:// `out` is written through a local staging directory: each shard is uploaded
+once complete (under a staging name: the shard count is not known yet) and deleted
+here, so local disk holds one shard; at the end the shards are copied to their HF
+names on the server, and the markers of export_marker.py say when it is complete.
 """
 
 import contextlib
@@ -210,9 +209,13 @@ class GcsUpload:
                                             content_type="application/json")
 
     def upload(self, path: Path, name: str, delete: bool = False) -> None:
-        self.uploaded[name] = path.stat().st_size  # first: abort deletes a half-finished one
+        size = self.uploaded[name] = path.stat().st_size  # first: abort deletes a half-finished one
+        blob = self._blob(name)
+        # Resumable uploads send chunks held in memory, 100 MiB by default (multiples of
+        # 256 KiB): up to 256 MiB, fewer trips (256 MB to fake-gcs-server: 4.1 s, not 6.4).
+        blob.chunk_size = min(256 << 20, -(-size // (256 << 10)) * (256 << 10))
         with _storage_errors(self.uri, f"cannot upload {name}"):
-            self._blob(name).upload_from_filename(str(path))
+            blob.upload_from_filename(str(path))
         if delete:
             path.unlink()
 
