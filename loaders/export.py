@@ -127,13 +127,19 @@ def plan_export(shape_of, leaves: set[str], rules: dict, table: dict, *, where: 
     return plan
 
 
-def _cast(array, dtype):
-    import numpy as np
-    if dtype is None:
-        return array
+def _planned(source, plan, table, dtype: str | None):
+    """Each HF tensor's dtype (its source leaf's, unless cast to `dtype`) and the
+    writer's plan: [(name, bytes)] in `plan`'s order, known before a byte is read."""
+    dtypes = {name: _dtype(dtype) if dtype else source.orbax.leaves[source.leaves[rule.source]][1]
+              for name, rule in plan}
+    return dtypes, [(name, int(np.prod(table[name])) * dtypes[name].itemsize) for name, _ in plan]
+
+
+def _dtype(name: str) -> np.dtype:
     import ml_dtypes
-    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    return array.astype(target)
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
 
 
 def _config_with_dtype(config: dict, dtype: str | None) -> dict:
@@ -175,9 +181,11 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
         rules = expand(source.weight_table(arch.tunix), config["num_hidden_layers"])
         plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
                            optional=optional)
-        with HfWriter(out, overwrite=overwrite, source=str(checkpoint)) as writer:
+        dtypes, sizes = _planned(source, plan, table, dtype)
+        with HfWriter(out, overwrite=overwrite, source=str(checkpoint), planned=sizes) as writer:
             for name, rule in _progress(plan, progress, "tensors"):
-                writer.add(name, _cast(rule.to_hf_array(source.read(rule.source)), dtype))
+                writer.add(name, np.ascontiguousarray(rule.to_hf_array(source.read(rule.source)),
+                                                      dtypes[name]))
             copy_side_files(base, writer)
             writer.write_json("config.json", _config_with_dtype(config, dtype))
         return _written(out)
@@ -268,18 +276,18 @@ def maxtext(checkpoint: str | Path, arch, out: str | Path, *,
     table, optional = arch.hf_table(config)
     plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
                        optional=optional)
-    out_dtype = dtype or str(np.dtype(source.orbax.leaves[source.leaves[plan[0][1].source]][1]))
-    config["dtype"] = config["torch_dtype"] = out_dtype
     # Grouped by source leaf: a scanned leaf is read once for all its layers.
     plan.sort(key=lambda item: (item[1].source, item[1].index or 0))
+    dtypes, sizes = _planned(source, plan, table, dtype)
+    config["dtype"] = config["torch_dtype"] = str(dtypes[plan[0][0]])
     cached_name, cached = None, None
     with HfWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                  source=str(checkpoint)) as writer:
+                  source=str(checkpoint), planned=sizes) as writer:
         for name, rule in _progress(plan, progress, "tensors"):
             if rule.source != cached_name:
                 cached_name, cached = rule.source, None
                 cached = source.read(rule.source)
-            writer.add(name, _cast(np.ascontiguousarray(rule.to_hf_array(cached)), dtype))
+            writer.add(name, np.ascontiguousarray(rule.to_hf_array(cached), dtypes[name]))
         cached = None
         writer.write_json("config.json", config)
         writer.write_json("generation_config.json", {

@@ -17,9 +17,12 @@ before it is written: memory stays bounded by the shard size plus the tensor
 being added, whatever the model's size.
 
 A gs:// `out` is written through a local staging directory: each shard is uploaded
-once complete (under a staging name: the shard count is not known yet) and deleted
-here, so local disk holds one shard; at the end the shards are copied to their HF
-names on the server, and the markers of export_marker.py say when it is complete.
+in the background once complete and deleted here, so local disk holds at most two
+shards. An exporter that knows its tensors' sizes up front (`planned`) knows the
+shard count, and each shard goes straight to its HF name; otherwise shards go up
+under staging names and are copied to their HF names on the server at the end
+(Cloud Storage has no rename). The markers of export_marker.py say when an export
+is complete.
 """
 
 import contextlib
@@ -53,6 +56,9 @@ def _nbytes(tensor) -> int:
 CHECKPOINT_MARKERS = ("config.json", "adapter_config.json", INDEX)
 # Where a gs:// export keeps its shards until their HF names are known.
 STAGING = "tpu-models-export.staging"
+# Shards uploading at once: one goes up while the next is read and written; two also
+# overlap a shard's upload with the next one's (local disk: at most two shards).
+UPLOADS_IN_FLIGHT = 2
 
 
 def check_out(out: str | os.PathLike, overwrite: bool) -> Path | str:
@@ -187,7 +193,8 @@ class GcsUpload:
     def __init__(self, uri: str, *, overwrite: bool, source: str | None):
         self.uri, self.source = check_gcs_out(uri, overwrite), source
         self.uploaded: dict[str, int] = {}  # name below the prefix -> bytes
-        self._uploader, self._in_flight = ThreadPoolExecutor(1), None
+        self._uploader = ThreadPoolExecutor(UPLOADS_IN_FLIGHT)
+        self._in_flight: list = []
         with _storage_errors(self.uri, "cannot write"):
             self.client = export_marker.gcs_client()
             bucket, self.prefix = export_marker.split_gcs(self.uri)
@@ -211,9 +218,10 @@ class GcsUpload:
     def upload(self, path: Path, name: str, delete: bool = False) -> None:
         size = self.uploaded[name] = path.stat().st_size  # first: abort deletes a half-finished one
         blob = self._blob(name)
-        # Resumable uploads send chunks held in memory, 100 MiB by default (multiples of
-        # 256 KiB): up to 256 MiB, fewer trips (256 MB to fake-gcs-server: 4.1 s, not 6.4).
-        blob.chunk_size = min(256 << 20, -(-size // (256 << 10)) * (256 << 10))
+        if size > 8 << 20:  # smaller files go up in one request
+            # Resumable uploads send chunks held in memory, 100 MiB by default (multiples of
+            # 256 KiB): up to 256 MiB, fewer trips (256 MB to fake-gcs-server: 4.1 s, not 6.4).
+            blob.chunk_size = min(256 << 20, -(-size // (256 << 10)) * (256 << 10))
         with _storage_errors(self.uri, f"cannot upload {name}"):
             blob.upload_from_filename(str(path))
         if delete:
@@ -221,15 +229,15 @@ class GcsUpload:
 
     def upload_and_delete(self, path: Path, name: str) -> None:
         """Uploads `path` in the background, then deletes it: the next shard's tensors are
-        read meanwhile. One upload at a time, so this disk holds at most one shard."""
-        self.wait()
-        self._in_flight = self._uploader.submit(self.upload, path, name, delete=True)
+        read meanwhile."""
+        self.wait(keep=UPLOADS_IN_FLIGHT - 1)
+        self._in_flight.append(self._uploader.submit(self.upload, path, name, delete=True))
 
-    def wait(self) -> None:
-        """Returns once the background upload is done; raises its error."""
-        if self._in_flight is not None:
-            self._in_flight.result()  # interrupted (SIGTERM), it stays for abort to wait on
-            self._in_flight = None
+    def wait(self, keep: int = 0) -> None:
+        """Returns once at most `keep` background uploads are running; raises their error."""
+        while len(self._in_flight) > keep:
+            self._in_flight[0].result()  # interrupted (SIGTERM), it stays for abort to wait on
+            self._in_flight.pop(0)
 
     def move(self, source: str, name: str) -> None:
         """A server-side copy, then the source deleted (Cloud Storage has no rename)."""
@@ -265,18 +273,40 @@ class GcsUpload:
         self._uploader.shutdown()
 
 
+def _starts_shard(pending: bool, pending_bytes: int, size: int, max_shard_bytes: int) -> bool:
+    """Whether a tensor of `size` bytes closes the shard being filled and starts the next."""
+    return pending and pending_bytes + size > max_shard_bytes
+
+
+def shard_count(sizes: Iterable[int], max_shard_bytes: int) -> int:
+    """How many shards HfWriter writes for tensors of these sizes, added in this order."""
+    count, pending, pending_bytes = 0, False, 0
+    for size in sizes:
+        if _starts_shard(pending, pending_bytes, size, max_shard_bytes):
+            count, pending_bytes = count + 1, 0
+        pending, pending_bytes = True, pending_bytes + size
+    return count + pending
+
+
 class HfWriter:
 
     def __init__(self, out: str | os.PathLike, *, max_shard_bytes: int = 2**30,
-                 overwrite: bool = False, weights_name: str = "model", source: str | None = None):
+                 overwrite: bool = False, weights_name: str = "model", source: str | None = None,
+                 planned: list[tuple[str, int]] | None = None):
+        """`planned`: every tensor's name and byte size, in the order they will be added
+        (an exporter that knows them from metadata): a gs:// export then uploads each
+        shard under its final name. A tensor that departs from the plan is refused."""
         self.weights_name = _check_name(weights_name)  # "adapter_model" for PEFT adapters
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
+        self.planned = planned
+        self.planned_shards = None if planned is None else shard_count(
+            (size for _, size in planned), max_shard_bytes)
         self.remote: GcsUpload | None = None
         if "://" in str(out):
             self.remote = GcsUpload(str(out), overwrite=overwrite, source=source)
             self.out = self.remote.uri
-            self.tmp = Path(tempfile.mkdtemp(prefix="tpu-models-export-"))  # one shard at a time
+            self.tmp = Path(tempfile.mkdtemp(prefix="tpu-models-export-"))  # shards in flight
         else:
             self.out = check_out(out, overwrite)
             self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -295,13 +325,23 @@ class HfWriter:
         if name in self.names:
             raise CheckpointError(f"tensor {name} written twice")
         size = _nbytes(tensor)
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+        if self.planned is not None:
+            self._check_planned(name, size)
+        if _starts_shard(bool(self._pending), self._pending_bytes, size, self.max_shard_bytes):
             self._flush()
             self._ship()
         self.names.add(name)
         self._pending[name] = tensor
         self._pending_bytes += size
         self.total_bytes += size
+
+    def _check_planned(self, name: str, size: int) -> None:
+        index = len(self.names)
+        want = self.planned[index] if index < len(self.planned) else None
+        if want != (name, size):
+            planned = f"{want[0]} of {want[1]} bytes" if want else "no more tensors"
+            raise CheckpointError(f"tensor {name} ({size} bytes) written where the export "
+                                  f"planned {planned}")
 
     def add_all(self, tensors: Iterable[tuple[str, object]]) -> None:
         for name, tensor in tensors:
@@ -312,7 +352,7 @@ class HfWriter:
 
     def _flush(self) -> None:
         if self.remote is not None:
-            self.remote.wait()  # the previous shard is off this disk before the next is on it
+            self.remote.wait(keep=UPLOADS_IN_FLIGHT - 1)  # this disk: at most two shards
         if not self._pending:
             return
         path = self._staged(len(self._shards))
@@ -324,11 +364,18 @@ class HfWriter:
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
+    def _shard_name(self, index: int, count: int) -> str:
+        return (f"{self.weights_name}.safetensors" if count == 1 else
+                f"{self.weights_name}-{index + 1:05d}-of-{count:05d}.safetensors")
+
     def _ship(self) -> None:
-        """gs://: a complete shard goes up under its staging name (the count is not known yet)."""
+        """gs://: a complete shard goes up, under its HF name where the count is planned."""
         if self.remote is not None:
-            staged = self._staged(len(self._shards) - 1)
-            self.remote.upload_and_delete(staged, f"{STAGING}/{staged.name}")
+            index = len(self._shards) - 1
+            staged = self._staged(index)
+            name = f"{STAGING}/{staged.name}" if self.planned_shards is None else \
+                self._shard_name(index, self.planned_shards)
+            self.remote.upload_and_delete(staged, name)
 
     def write_json(self, name: str, content: dict) -> None:
         (self.tmp / _check_name(name)).write_text(
@@ -339,12 +386,18 @@ class HfWriter:
 
     def commit(self) -> Path | str:
         """Names the shards HF-style, writes the index, and puts everything in place."""
-        self._flush()  # gs://: waits for the upload of the one before
+        if self.planned is not None and len(self.names) < len(self.planned):
+            raise CheckpointError(f"tensor {self.planned[len(self.names)][0]} was planned but "
+                                  "never written")
+        self._flush()
         count = len(self._shards)
+        if self.remote is not None and self.planned_shards is not None and count:
+            self._ship()  # the last shard, under its HF name like the others
+        elif self.remote is not None:
+            self.remote.wait()  # the staged shards are all up before they are copied
         weight_map = {}
         for i, names in enumerate(self._shards):
-            final = (f"{self.weights_name}.safetensors" if count == 1 else
-                     f"{self.weights_name}-{i + 1:05d}-of-{count:05d}.safetensors")
+            final = self._shard_name(i, count)
             self._place_shard(i, final)
             weight_map.update({n: final for n in names})
         if count > 1:
@@ -353,17 +406,21 @@ class HfWriter:
         if self.remote is None:
             self._move_into_place()
             return self.out
-        for path in sorted(self.tmp.iterdir()):  # the last shard, index, config, tokenizer
-            self.remote.upload(path, path.name)
+        for path in sorted(self.tmp.iterdir()):  # index, config, tokenizer (unplanned: last shard)
+            if not path.name.startswith("shard-"):  # planned: the last shard is going up
+                self.remote.upload(path, path.name)
+        self.remote.wait()
         self.remote.finish()
         shutil.rmtree(self.tmp, ignore_errors=True)
         return self.out
 
     def _place_shard(self, index: int, final: str) -> None:
         staged = self._staged(index)
-        if staged.exists():  # local, or a gs:// export's last shard (written at commit)
+        if self.remote is not None and self.planned_shards is not None:
+            return  # uploaded under `final` already
+        if staged.exists():  # local, or an unplanned gs:// export's last shard
             staged.rename(self.tmp / final)
-        else:  # gs://: uploaded when complete, under its staging name
+        else:  # gs://, unplanned: uploaded when complete, under its staging name
             self.remote.move(f"{STAGING}/{staged.name}", final)
 
     def _move_into_place(self) -> None:

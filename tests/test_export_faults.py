@@ -254,3 +254,32 @@ def test_symlinked_shards_inside_the_checkpoint_still_load(tmp_path):
     (snapshot / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
     assert set(HfCheckpoint(snapshot).tensors) == {"a"}
+
+
+def test_a_tensor_off_the_plan_is_refused_and_nothing_is_written(tmp_path):
+    """An exporter that planned its sizes (for gs://: shards under their final names)
+    and then writes something else is a bug: refused by name, no directory left."""
+    planned = [("a", 12), ("b", 8)]
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="tensor b \\(12 bytes\\) written where the export "
+                       "planned b of 8 bytes"):
+        with HfWriter(out, planned=planned) as writer:
+            writer.add("a", np.ones(3, np.float32))
+            writer.add("b", np.ones(3, np.float32))
+    with pytest.raises(CheckpointError, match="tensor b was planned but never written"):
+        with HfWriter(out, planned=planned) as writer:
+            writer.add("a", np.ones(3, np.float32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_count_follows_the_writer(tmp_path):
+    """shard_count (what a planned gs:// export names its shards by) against the shards
+    HfWriter writes: a tensor larger than a shard gets its own; zero-size tensors too."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        sizes = [int(s) for s in rng.choice([0, 4, 40, 96, 100, 400], rng.integers(0, 12))]
+        with HfWriter(tmp_path / str(trial), max_shard_bytes=100) as writer:
+            for i, size in enumerate(sizes):
+                writer.add(f"t{i}", np.zeros(size // 4, np.float32))
+        written = len(list((tmp_path / str(trial)).glob("*.safetensors")))
+        assert hf_writer.shard_count(sizes, 100) == written, sizes

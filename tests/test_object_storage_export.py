@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tpu_models.loaders import hf_writer
+from tpu_models.loaders import export, hf_writer
 from tpu_models.loaders.export import maxtext, tunix
 from tpu_models.loaders.export_marker import INCOMPLETE, MANIFEST, check_export_complete
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
@@ -78,9 +78,16 @@ def assert_same_export(remote: dict[str, bytes], local: dict[str, bytes], source
     assert manifest["source"] == source and manifest["tool"] == "tpu-models export"
 
 
-def test_gs_to_gs_export_is_the_local_export_byte_for_byte(bucket, maxtext_uri, local_export):
+def test_gs_to_gs_export_is_the_local_export_byte_for_byte(bucket, maxtext_uri, local_export,
+                                                          monkeypatch):
+    upload, uploaded = hf_writer.GcsUpload.upload, []
+    monkeypatch.setattr(hf_writer.GcsUpload, "upload",
+                        lambda self, path, name, delete=False: (uploaded.append(name),
+                                                                upload(self, path, name, delete)))
     out = maxtext(maxtext_uri, QWEN3, f"{bucket.root}/gs-to-gs", max_shard_bytes=SHARD)
     assert out == f"{bucket.root}/gs-to-gs"
+    # Sizes known from metadata: each shard went up once, under its final name.
+    assert sorted(uploaded) == sorted(files(local_export))
     assert_same_export(objects(bucket, out), files(local_export), maxtext_uri)  # 5 shards
     # ... and both equal the fixture's independent numpy conversion (test_export_maxtext.py)
     reference = load_file(MAXTEXT / "hf_reference.safetensors")
@@ -102,6 +109,16 @@ def test_gs_to_local_and_local_to_gs(bucket, maxtext_uri, local_export, tmp_path
     assert files(out) == files(local_export)  # no marker files in a local export
     uri = maxtext(MAXTEXT, QWEN3, f"{bucket.root}/local-to-gs", max_shard_bytes=SHARD)
     assert_same_export(objects(bucket, uri), files(local_export), str(MAXTEXT))
+
+
+def test_an_export_of_unplanned_sizes_stages_its_shards_and_copies_them(
+        bucket, maxtext_uri, local_export, monkeypatch):
+    """Tensors whose sizes are not known up front (lora-merge and gemma3-text exports) go
+    up under staging names and are copied to their HF names at the end: the same files."""
+    planned = export._planned
+    monkeypatch.setattr(export, "_planned", lambda *args: (planned(*args)[0], None))
+    out = maxtext(maxtext_uri, QWEN3, f"{bucket.root}/unplanned", max_shard_bytes=SHARD)
+    assert_same_export(objects(bucket, out), files(local_export), maxtext_uri)  # staging gone
 
 
 def test_tunix_full_weights_and_lora_adapter_from_gs(bucket, tmp_path):
@@ -169,8 +186,7 @@ def test_an_export_that_cannot_clean_up_is_refused_naming_the_manifest(
     with pytest.raises(CheckpointError, match="simulated"):
         maxtext(maxtext_uri, QWEN3, out, max_shard_bytes=SHARD)
     monkeypatch.undo()
-    staged = f"{hf_writer.STAGING}/shard-00000.safetensors"
-    assert sorted(objects(bucket, out)) == [INCOMPLETE, staged]
+    assert sorted(objects(bucket, out)) == ["model-00001-of-00005.safetensors", INCOMPLETE]
     assert_unfinished(out)
 
 
@@ -190,9 +206,9 @@ def assert_unfinished(uri: str) -> None:
 # `tpu-models export`, stopped once its first shard is uploaded (to be killed there).
 STOPPED_CLI = """
 import os, sys, time
-from tpu_models.loaders import hf_writer
+from tpu_models.loaders import export, hf_writer
 wait, stopped = hf_writer.GcsUpload.wait, []
-def stop(self):
+def stop(self, keep=0):
     wait(self)
     if self.uploaded and not stopped:
         stopped.append(True)
