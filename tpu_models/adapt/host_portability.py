@@ -34,11 +34,16 @@ def mesh_without_coords() -> None:
 
 
 def kv_cache_budget(cache_config) -> int:
-    """Bytes for the KV cache: --kv-cache-memory-bytes, else a share of available memory."""
+    """Bytes for the KV cache: --kv-cache-memory-bytes, else a share of available memory,
+    rounded down to whole GiB (256 MiB below 1 GiB): the cache's size is part of every
+    compiled step's shapes, so a budget that followed free memory to the byte made
+    each restart miss the JAX cache (0.6B: 79 s of compilation on a warm start)."""
     if cache_config.kv_cache_memory_bytes:
         return int(cache_config.kv_cache_memory_bytes)
     import psutil
-    return int(psutil.virtual_memory().available * KV_CACHE_SHARE)
+    share = int(psutil.virtual_memory().available * KV_CACHE_SHARE)
+    quantum = 2**30 if share >= 2**30 else 2**28
+    return max(quantum, share - share % quantum)
 
 
 def memory_from_host() -> None:
