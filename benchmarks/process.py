@@ -57,7 +57,8 @@ class Server:
         base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
         self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
         self.log_path = log
-        self.env = {**os.environ, **(env or {})}
+        # vLLM posts usage statistics to its server unless told not to: loopback only here.
+        self.env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
         self.cwd = cwd or Path(__file__).parents[1]
         self.process = None
 

@@ -22,6 +22,9 @@ import json
 import os
 from pathlib import Path
 
+INDEX = "model.safetensors.index.json"
+# What marks a directory (or prefix) as an export we may replace with overwrite=True.
+CHECKPOINT_MARKERS = ("config.json", "adapter_config.json", INDEX)
 MANIFEST = "tpu-models-export.json"
 INCOMPLETE = "tpu-models-export.incomplete"
 TOOL = "tpu-models export"

@@ -48,6 +48,7 @@ def _log_ready(state) -> None:
     from tpu_inference.logger import init_logger
 
     from tpu_models import host
+    from tpu_models.adapt import compilation
     config = state.vllm_config
     model, cache = config.model_config, config.cache_config
     tokens, concurrency = cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency
@@ -55,10 +56,13 @@ def _log_ready(state) -> None:
                 f"{model.max_model_len:,}" if tokens is not None and concurrency is not None
                 else "KV cache size unknown")
     platform = host.host_platform() or "tpu"
+    background = ("; the other token buckets compile in the background (meanwhile a step pads "
+                  "to the next compiled one)"
+                  if compilation.background_buckets(config) else "")
     init_logger("tpu_models.ready").info(
-        "tpu-models: ready: %s (%s, %s), %s, %s", model.served_model_name,
+        "tpu-models: ready: %s (%s, %s), %s, %s%s", model.served_model_name,
         str(model.dtype).removeprefix("torch."), platform, capacity,
-        os.environ.get(URL_ENV, "see 'Starting vLLM server on' above"))
+        os.environ.get(URL_ENV, "see 'Starting vLLM server on' above"), background)
 
 
 class RequireUtf8Body:

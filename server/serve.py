@@ -75,6 +75,9 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     args, vllm_args = parser().parse_known_args(argv)
     env = dict(env)
     env.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
+    # vLLM posts usage statistics to its own server unless told not to: nothing of
+    # ours sends traffic the user did not ask for (VLLM_NO_USAGE_STATS=0 to allow it).
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
     platform = host.setup_host(args.device, env)
     if platform == "cpu" and not _given(vllm_args, "--dtype"):
         # XLA:CPU has no fast bfloat16 matmul (about 12x slower than float32 here).

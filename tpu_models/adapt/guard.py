@@ -72,6 +72,9 @@ SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lam
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
 SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids and min_tokens",
                          lambda *_: False, "")
+# Speed only: refused, the server starts slower and nothing else.
+STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the background)",
+                  lambda *_: False, "")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -201,4 +204,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, LOG)
+            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, STARTUP, LOG)

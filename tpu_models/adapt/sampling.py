@@ -226,6 +226,8 @@ def extras_sampled() -> None:
         return original_sample(rng, mesh, logits, tpu_sampling_metadata,
                                allow_distributed_sampling=allow_distributed_sampling)
 
+    # The precompiler builds plain metadata only, and lowers what has a `lower`.
+    sample.lower = original_sample.lower
     rebind("tpu_inference.layers.jax.sample.sampling", "sample", sample)
 
 

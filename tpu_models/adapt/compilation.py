@@ -1,0 +1,231 @@
+"""Precompilation: what a start compiles, and when.
+
+tpu-inference compiles the model step once per token bucket before it serves,
+but only functions with a `lower` take part in its parallel ahead-of-time pass:
+the flax step is a Python function that picks a jit, so each bucket was traced,
+compiled (or read back from JAX's cache) and run once, one after another. Here
+the step lowers ahead of time, and a bucket compiled that way is not also run.
+Off-TPU the buckets between the smallest and the largest then compile in the
+background once the server is ready; until one is compiled, a step pads to the
+next compiled bucket. Figures: benchmarks/README.md (bench startup).
+"""
+
+import threading
+import time
+
+from tpu_models.adapt.guard import OFF_TPU, STARTUP, Patch, Target
+
+LOADER = "tpu_inference.models.common.model_loader"
+MANAGER = "tpu_inference.runner.compilation_manager.CompilationManager"
+
+
+def _logger():
+    from tpu_inference.logger import init_logger
+    return init_logger("tpu_models.adapt")
+
+
+class AheadOfTimeStep:
+    """tpu-inference's flax model step (a function choosing a jit per KV-cache
+    sharding), with the `lower` its precompiler looks for."""
+
+    def __init__(self, step, resolve, takes_spec_step: bool):
+        self._step, self._resolve, self._takes_spec_step = step, resolve, takes_spec_step
+        self.lowered: set[int] = set()  # id() of the input_ids of buckets lowered ahead
+
+    @classmethod
+    def wrap(cls, step):
+        """None where the step is not tpu-inference 0.32's (then it stays as it is)."""
+        import inspect
+        try:
+            names = inspect.getclosurevars(step).nonlocals
+        except TypeError:
+            return None
+        if "_resolve_step_fn" not in names or "model_supports_spec_step" not in names:
+            return None
+        return cls(step, names["_resolve_step_fn"], names["model_supports_spec_step"])
+
+    def __call__(self, *args, **kwargs):
+        return self._step(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        # What the step does before it calls its jit (model_loader.wrapped_model_fn).
+        if not self._takes_spec_step:
+            kwargs.pop("spec_step_idx", None)
+        kwargs.pop("shared_attention_metadata", None)
+        lowered = self._resolve(args[1], True).lower(*args, **kwargs)
+        self.lowered.add(id(args[2]))  # (state, kv_caches, input_ids, ...): our __call__'s order
+        return lowered
+
+
+def step_lowered_ahead_of_time() -> None:
+    import dataclasses
+
+    from tpu_inference.models.common import model_loader
+
+    original = model_loader.get_flax_model
+
+    def get_flax_model(vllm_config, rng, mesh, is_draft_model=False):
+        interface = original(vllm_config, rng, mesh, is_draft_model)
+        step = AheadOfTimeStep.wrap(interface.model_fn)
+        if step is None:
+            _logger().warning("tpu-models: the model step cannot be lowered ahead of time on "
+                              "this tpu-inference; each bucket compiles in the warm-up pass")
+            return interface
+        return dataclasses.replace(interface, model_fn=step)
+
+    model_loader.get_flax_model = get_flax_model
+
+
+def lowered_buckets_not_run() -> None:
+    # The warm-up pass calls every precompiled function once, the step included:
+    # a forward pass per bucket (4 s at 256 tokens for a 0.6B model on CPU). A step
+    # compiled ahead of time is already in jit's caches.
+    from tpu_inference.runner.compilation_manager import CompilationManager
+
+    original = CompilationManager._flush_compilations
+
+    def _flush_compilations(self):
+        step = self.runner.model_fn
+        if isinstance(step, AheadOfTimeStep):
+            self._warmup_tasks = [task for task in self._warmup_tasks
+                                  if task[1] is not step or id(task[2][2]) not in step.lowered]
+        try:
+            return original(self)
+        finally:
+            if isinstance(step, AheadOfTimeStep):
+                step.lowered.clear()
+
+    CompilationManager._flush_compilations = _flush_compilations
+
+
+def background_buckets(vllm_config) -> bool:
+    """Whether token buckets compile after the server is ready: off-TPU, when it
+    precompiles at all, for a plain text model on one rank (LoRA slots, drafts,
+    pipeline and data parallel ranks each add programs a bucket depends on)."""
+    from tpu_inference import envs
+
+    from tpu_models.host import host_platform
+
+    parallel = vllm_config.parallel_config
+    return (host_platform() is not None and not envs.SKIP_JAX_PRECOMPILE
+            and not vllm_config.model_config.enforce_eager and vllm_config.lora_config is None
+            and vllm_config.speculative_config is None
+            and not vllm_config.model_config.is_multimodal_model
+            and parallel.pipeline_parallel_size == 1 and parallel.data_parallel_size == 1)
+
+
+def ready_buckets(paddings: list[int]) -> list[int]:
+    """Compiled before the server is ready: the smallest bucket (one decode) and the
+    largest (any prompt, chunk by chunk). Until the others compile, a step pads to
+    the next of these."""
+    return sorted({paddings[0], paddings[-1]})
+
+
+class _RunnerView:
+    """The runner as the background compiler sees it: the buckets left, and the KV
+    caches as shapes (the engine donates the real ones at every step)."""
+
+    def __init__(self, runner, paddings, kv_caches):
+        self._runner, self.num_tokens_paddings, self.kv_caches = runner, paddings, kv_caches
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
+def _compile_in_background(manager, runner, rest: list[int]) -> threading.Thread:
+    import jax
+    from tpu_inference.runner.compilation_manager import CompilationManager
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          runner.kv_caches)
+    log = _logger()
+
+    def compile_now(name, fn, *args, call_kwargs={}, warmup_handler=None, **described):
+        with jax.set_mesh(runner.mesh):
+            fn.lower(*args, **call_kwargs).compile()
+        bucket = args[2].shape[0]
+        runner.num_tokens_paddings_per_dp = sorted({*runner.num_tokens_paddings_per_dp, bucket})
+        log.info("tpu-models: token bucket %d compiled (background)", bucket)
+
+    def run():
+        began = time.perf_counter()
+        for bucket in rest:  # smallest first: decodes of a few requests come first
+            view = CompilationManager.__new__(CompilationManager)
+            view.runner = _RunnerView(runner, [bucket], shapes)
+            view._run_compilation = compile_now
+            try:
+                view._precompile_backbone_text_only()
+            except Exception as e:  # the bucket stays unused: steps pad past it
+                log.warning("tpu-models: token bucket %d did not compile in the background "
+                            "(%r); steps pad past it", bucket, e)
+        log.info("tpu-models: all token buckets compiled (%.1f s in the background)",
+                 time.perf_counter() - began)
+
+    thread = threading.Thread(target=run, name="tpu-models-buckets", daemon=True)
+    thread.start()
+    return thread
+
+
+def buckets_after_ready() -> None:
+    from tpu_inference.runner.compilation_manager import CompilationManager
+
+    capture = CompilationManager.capture_model
+    backbone = CompilationManager._precompile_backbone_text_only
+
+    def _precompile_backbone_text_only(self):
+        runner = self.runner
+        plan = getattr(runner, "_tpu_models_ready_buckets", None)
+        if plan is None:
+            return backbone(self)
+        every = runner.num_tokens_paddings
+        runner.num_tokens_paddings = plan
+        try:
+            return backbone(self)
+        finally:
+            runner.num_tokens_paddings = every
+
+    def capture_model(self):
+        runner = self.runner
+        deferring = (isinstance(runner.model_fn, AheadOfTimeStep) and runner.dp_size == 1
+                     and background_buckets(runner.vllm_config))
+        if not deferring:
+            return capture(self)
+        every = list(runner.num_tokens_paddings)
+        runner._tpu_models_ready_buckets = ready_buckets(every)
+        try:
+            capture(self)
+        finally:
+            del runner._tpu_models_ready_buckets
+        rest = [b for b in every if b not in ready_buckets(every)]
+        if rest:
+            runner.num_tokens_paddings_per_dp = ready_buckets(every)
+            _logger().info("tpu-models: token buckets %s compiled; %s compile in the background "
+                           "(until then a step pads to the next compiled one)",
+                           ready_buckets(every), rest)
+            runner._tpu_models_background = _compile_in_background(self, runner, rest)
+
+    CompilationManager._precompile_backbone_text_only = _precompile_backbone_text_only
+    CompilationManager.capture_model = capture_model
+
+
+_STEP = "self"
+PATCHES = [
+    Patch("model step lowered ahead of time", STARTUP, (
+        Target(f"{LOADER}.get_flax_model", "vllm_config rng mesh is_draft_model"),
+        Target(f"{MANAGER}._run_compilation",
+               "self name fn args call_kwargs warmup_handler aot compile_only kwargs")),
+        "each token bucket of the step compiled one after another, in the warm-up pass",
+        "tests/test_startup.py::test_a_restart_compiles_nothing_and_serves_every_bucket",
+        step_lowered_ahead_of_time, speed="tpu-models bench startup"),
+    Patch("buckets lowered ahead are not run", STARTUP, (
+        Target(f"{MANAGER}._flush_compilations", _STEP), ),
+        "the warm-up pass ran a forward pass per bucket (4 s at 256 tokens, 0.6B on CPU)",
+        "tests/test_startup.py::test_a_restart_compiles_nothing_and_serves_every_bucket",
+        lowered_buckets_not_run, speed="tpu-models bench startup"),
+    Patch("token buckets compiled after ready", STARTUP, (
+        Target(f"{MANAGER}.capture_model", _STEP),
+        Target(f"{MANAGER}._precompile_backbone_text_only", _STEP)),
+        "a CPU host compiled every bucket before serving (0.6B, cold: 8 s each)",
+        "tests/test_startup.py::test_a_restart_compiles_nothing_and_serves_every_bucket",
+        buckets_after_ready, platform=OFF_TPU, speed="tpu-models bench startup"),
+]
