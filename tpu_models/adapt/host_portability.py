@@ -12,8 +12,9 @@ import os
 from tpu_models.adapt.guard import OFF_TPU, OFF_TPU_HOST, Patch, Target, rebind
 from tpu_models.host import host_platform
 
-# Default KV-cache budget off-TPU, as a share of the host's available memory.
-KV_CACHE_SHARE = 0.2
+# Default KV-cache budget off-TPU: a share of the host's memory, at most a share of
+# what is available at start-up.
+KV_CACHE_SHARE, KV_CACHE_SHARE_OF_AVAILABLE = 0.2, 0.5
 
 
 def _logger():
@@ -34,14 +35,15 @@ def mesh_without_coords() -> None:
 
 
 def kv_cache_budget(cache_config) -> int:
-    """Bytes for the KV cache: --kv-cache-memory-bytes, else a share of available memory,
-    rounded down to whole GiB (256 MiB below 1 GiB): the cache's size is part of every
-    compiled step's shapes, so a budget that followed free memory to the byte made
-    each restart miss the JAX cache (0.6B: 79 s of compilation on a warm start)."""
+    """Bytes for the KV cache: --kv-cache-memory-bytes, else 20% of the host's memory (at
+    most half of what is available), rounded down to whole GiB (256 MiB below 1 GiB).
+    The cache's size is part of every compiled step's shapes: a budget that moved with
+    free memory made a restart miss the JAX cache for the whole model."""
     if cache_config.kv_cache_memory_bytes:
         return int(cache_config.kv_cache_memory_bytes)
     import psutil
-    share = int(psutil.virtual_memory().available * KV_CACHE_SHARE)
+    memory = psutil.virtual_memory()
+    share = int(min(memory.total * KV_CACHE_SHARE, memory.available * KV_CACHE_SHARE_OF_AVAILABLE))
     quantum = 2**30 if share >= 2**30 else 2**28
     return max(quantum, share - share % quantum)
 
@@ -70,8 +72,8 @@ def memory_from_host() -> None:
                            budget / 2**30)
         else:  # a guess: say how to choose
             _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB, %d%% of "
-                              "available memory (set it with --kv-cache-memory-bytes)", platform,
-                              budget / 2**30, KV_CACHE_SHARE * 100)
+                              "its memory in whole GiB (set it with --kv-cache-memory-bytes)",
+                              platform, budget / 2**30, KV_CACHE_SHARE * 100)
         return budget
 
     def mem_get_info(cls):
