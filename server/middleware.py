@@ -60,8 +60,8 @@ def _log_ready(state) -> None:
                   "to the next compiled one)"
                   if compilation.background_buckets(config) else "")
     init_logger("tpu_models.ready").info(
-        "tpu-models: ready: %s (%s, %s), %s, %s%s", model.served_model_name,
-        str(model.dtype).removeprefix("torch."), platform, capacity,
+        "tpu-models: ready: %s (%s, %s, attention %s), %s, %s%s", model.served_model_name,
+        str(model.dtype).removeprefix("torch."), platform, host.attention_mode(), capacity,
         os.environ.get(URL_ENV, "see 'Starting vLLM server on' above"), background)
 
 

@@ -79,6 +79,10 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     # ours sends traffic the user did not ask for (VLLM_NO_USAGE_STATS=0 to allow it).
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     platform = host.setup_host(args.device, env)
+    try:
+        host.attention_mode(env)
+    except host.AttentionModeError as e:
+        raise SystemExit(f"tpu-models serve: {e}") from None
     if platform == "cpu" and not _given(vllm_args, "--dtype"):
         # XLA:CPU has no fast bfloat16 matmul (about 12x slower than float32 here).
         vllm_args += ["--dtype", "float32"]

@@ -6,6 +6,8 @@ padded to 128), and the new tokens' pages are checked against tpu-inference's
 own reference implementation of its kernel.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,3 +239,62 @@ def test_fp8_cache_round_trip_with_scales():
         want = dense_reference(q_r, k_stored[rows], v_stored[rows], context, scale=0.25,
                                window=None, soft_cap=None)
         np.testing.assert_allclose(out[rows], want, atol=2e-5, rtol=2e-5)
+
+
+def test_portable_kernel_equals_tpu_inference_reference_on_random_ragged_batches():
+    """52 random ragged batches (decodes first, as vLLM orders them, then prefills
+    with and without context), windows, soft caps, fp32 and fp8 caches, head sizes 64,
+    128 and 256: the portable kernel's outputs equal tpu-inference's reference of
+    its RPA v3 kernel, and both write the same cache."""
+    rng = np.random.default_rng(50)
+    configs = [  # (query heads, kv heads, head_dim, window, soft cap, fp8 cache)
+        (4, 2, 64, 16, 5.0, False), (8, 1, 128, 7, None, True), (4, 4, 256, None, 30.0, False),
+        (4, 2, 128, 33, None, False)]
+    # Lengths from a few values: the reference runs eagerly, compiling each operation
+    # for each (query, context) length it meets (35 ms each).
+    for trial in range(52):  # 13 batches per config: one compilation of ours each
+        num_heads, kv_heads, head_dim, window, soft_cap, fp8 = configs[trial % len(configs)]
+        decodes = [(int(rng.choice([24, 77, 130])), 1) for _ in range(rng.integers(0, 4))]
+        prefills = [(int(rng.choice([0, 24, 77])), int(rng.choice([6, 19])))
+                    for _ in range(rng.integers(0 if decodes else 1, 3))]
+        requests = decodes + prefills
+        tokens = sum(q for _, q in requests)
+        inputs, _ = make_batch(rng, requests, num_heads, kv_heads, head_dim, num_tokens=96,
+                               pages_per_seq=24)
+        args = {k: jnp.asarray(v) for k, v in inputs.items()}
+        scales = {}
+        if fp8:  # callers quantize (tpu-inference's quantize_kv); the kernel stores and rescales
+            dtype, scales = jnp.float8_e4m3fn, {"k_scale": 0.5, "v_scale": 0.25}
+            args["k"] = (args["k"] / 0.5).astype(dtype)
+            args["v"] = (args["v"] / 0.25).astype(dtype)
+            args["kv_cache"] = jnp.zeros(kv_cache_shape(args["kv_cache"].shape[0], PAGE,
+                                                        kv_heads, head_dim, dtype), dtype)
+        options = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap, **scales)
+        distribution = jnp.array([len(decodes), len(requests), len(requests)], jnp.int32)
+        # Its loop over requests reads the metadata as numpy.
+        want_out, want_cache = ref_ragged_paged_attention(
+            args["q"], args["k"], args["v"], args["kv_cache"], inputs["seq_lens"],
+            inputs["block_tables"], inputs["cu_q_lens"], np.asarray(distribution), **options)
+        out, cache = _portable(**args, **options)
+        where = f"trial {trial}: {requests}, heads {num_heads}/{kv_heads}x{head_dim}, " \
+                f"window {window}, cap {soft_cap}, fp8 {fp8}"
+        # The cache holds copies (no arithmetic): equal to the bit.
+        np.testing.assert_array_equal(np.asarray(cache, np.float32),
+                                      np.asarray(want_cache, np.float32), err_msg=where)
+        # fp32 on both sides, different reduction orders over at most ~170 keys of 256
+        # products: a few hundred ulps of the O(1) outputs, 2^-23 * 512 = 6e-5 (measured
+        # below 2e-6). With an fp8 cache the reference (as RPA v3) rounds the attention
+        # probabilities to the cache's dtype before weighing the values, and the weighed
+        # sum too (its einsum of two fp8 operands is fp8): each off by up to 2^-4 of
+        # itself (e4m3), the output by up to 2 * 2^-4 * max|v| (the portable kernel keeps
+        # both in fp32). The reference returns the live rows only.
+        tol = 6e-5 + (2**-3 * float(jnp.abs(args["v"].astype(jnp.float32)).max()) * 0.25
+                      if fp8 else 0.0)
+        np.testing.assert_allclose(np.asarray(out)[:tokens], np.asarray(want_out),
+                                   atol=tol, rtol=6e-5, err_msg=where)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "k_scale", "v_scale"))
+def _portable(**kwargs):
+    return ragged_paged_attention(**kwargs, q_block=16, kv_block=32)

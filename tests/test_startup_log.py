@@ -92,7 +92,7 @@ def test_demo_server_log_tells_the_truth(tmp_path):
     for name, server in servers.items():
         log = server.output()
         assert bad_lines(log) == [], name
-        ready = re.search(r"tpu-models: ready: qwen3-structural-demo \(float32, cpu\), KV cache "
+        ready = re.search(r"tpu-models: ready: qwen3-structural-demo \(float32, cpu, attention portable\), KV cache "
                           r"([\d,]+) tokens, ([\d.]+) requests at --max-model-len 256, "
                           rf"http://127.0.0.1:{server.port}", log)
         assert ready, f"{name}: no ready line"

@@ -55,7 +55,53 @@ def set_tpu_identity(env) -> None:
 
 def host_platform() -> str | None:
     """The non-TPU JAX platform requested via JAX_PLATFORMS, else None (TPU or default)."""
-    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    return host_platform_of(os.environ)
+
+
+def host_platform_of(env) -> str | None:
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if not platforms or "tpu" in platforms:
         return None
     return platforms[0]
+
+
+# Which attention our models run: the portable kernel (off-TPU default), or
+# tpu-inference's RPA backend and its cache layout as on a TPU, with the kernel
+# itself (TPU default: "rpa"), its reference, or the kernel in JAX's interpreter.
+ATTENTION_ENV = "TPU_MODELS_ATTENTION"
+ATTENTION_MODES = {
+    "portable": "tpu_models/attention.py, the cache laid out as RPA v3 lays it out",
+    "rpa": "tpu-inference's RPA v3 Pallas kernel (TPU only)",
+    "rpa-reference": "tpu-inference's RPA backend, its kernel replaced by its reference",
+    "rpa-interpret": "tpu-inference's RPA backend, its Pallas kernel interpreted",
+}
+# Why a mode cannot run here (checked at start-up).
+UNAVAILABLE = {
+    "rpa-interpret": "JAX 0.11.2's Pallas TPU interpreter stops inside RPA v3 (AttributeError: "
+                     "'ReshapeTransform' object has no attribute 'indices', in "
+                     "jax/_src/pallas/mosaic/interpret/utils.py to_range: it reads only "
+                     "indexer transforms of a ref); use rpa-reference",
+}
+
+
+class AttentionModeError(ValueError):
+    pass
+
+
+def attention_mode(env=None) -> str:
+    """TPU_MODELS_ATTENTION, checked; unset: "portable" off-TPU, "rpa" on a TPU."""
+    env = os.environ if env is None else env
+    value = env.get(ATTENTION_ENV, "").strip()
+    off_tpu = host_platform_of(env) is not None
+    if not value:
+        return "portable" if off_tpu else "rpa"
+    if value not in ATTENTION_MODES:
+        raise AttentionModeError(
+            f"{ATTENTION_ENV}={value!r} is not an attention path: one of "
+            + "; ".join(f"{name} ({what})" for name, what in ATTENTION_MODES.items()))
+    if value == "rpa" and off_tpu:
+        raise AttentionModeError(f"{ATTENTION_ENV}=rpa needs a TPU (the Pallas kernel compiles "
+                                 "for TPUs only); off-TPU use rpa-reference")
+    if value in UNAVAILABLE:
+        raise AttentionModeError(f"{ATTENTION_ENV}={value} cannot run: {UNAVAILABLE[value]}")
+    return value

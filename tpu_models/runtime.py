@@ -73,12 +73,14 @@ class EngineSettings:
 
 
 def attention_backend(vllm_config: VllmConfig) -> AttentionBackend:
-    """The engine's configured backend on TPU; the portable kernel elsewhere (RPA's
-    Pallas kernel needs a TPU)."""
+    """The engine's configured backend (RPA on TPU, and off-TPU under
+    TPU_MODELS_ATTENTION=rpa-reference); the portable kernel off-TPU by default."""
     from tpu_inference.layers.common.attention_backend import (attention_backend_name,
                                                                create_attention_backend)
+
+    from tpu_models import host
     name = attention_backend_name(vllm_config)
-    if host_platform() is not None:
+    if host.attention_mode() == "portable":
         from tpu_models.attention import PortableAttentionBackend
         name = PortableAttentionBackend.name
     return create_attention_backend(name)

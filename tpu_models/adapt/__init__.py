@@ -15,8 +15,8 @@ import os
 from tpu_models.adapt import guard
 
 # Upstream subsystems, in the order their patches are installed.
-MODULES = ("host_portability", "engine", "compilation", "kv_cache", "lora", "speculative",
-           "structured_output", "sampling", "request_checks")
+MODULES = ("host_portability", "rpa_kernel", "engine", "compilation", "kv_cache", "lora",
+           "speculative", "structured_output", "sampling", "request_checks")
 _applied = False
 
 

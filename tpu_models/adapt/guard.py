@@ -37,6 +37,11 @@ class Feature:
     instead: str  # what a user can do while it is refused
 
 
+def _attention_mode() -> str:
+    from tpu_models.host import attention_mode
+    return attention_mode()
+
+
 def _speculating(vllm_config, _model) -> bool:
     return vllm_config.speculative_config is not None
 
@@ -72,6 +77,9 @@ SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lam
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
 SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids and min_tokens",
                          lambda *_: False, "")
+RPA_PATH = Feature("the TPU attention path off-TPU (TPU_MODELS_ATTENTION=rpa-reference)",
+                   lambda *_: _attention_mode() == "rpa-reference",
+                   "TPU_MODELS_ATTENTION=portable")
 # Speed only: refused, the server starts slower and nothing else.
 STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the background)",
                   lambda *_: False, "")
@@ -204,4 +212,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, STARTUP, LOG)
+            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, STARTUP, LOG)

@@ -148,6 +148,10 @@ def copy_host_inputs() -> None:
 def portable_default_attention() -> None:
     from tpu_inference.layers.common.attention_backend import RPAAttentionBackend
 
+    from tpu_models.host import attention_mode
+    if attention_mode() != "portable":  # the RPA backend as on a TPU (adapt.rpa_kernel)
+        return
+
     from tpu_models.attention import PortableAttentionBackend
 
     portable = PortableAttentionBackend()

@@ -1,0 +1,96 @@
+"""The RPA v3 kernel: tpu-inference's TPU attention path, run off-TPU.
+
+On a TPU our models call tpu-inference's RPA backend: its KV-cache layout, its
+shard_map over heads, and the Pallas kernel (`ragged_paged_attention`, or its
+head_dim-64 twin). Off-TPU they call the portable kernel, unless
+TPU_MODELS_ATTENTION=rpa-reference: then everything but the kernel body is the
+TPU path, and the body is tpu-inference's own reference of it
+(`ref_ragged_paged_attention`), called on the host through `jax.pure_callback`.
+The reference checks its inputs as the kernel's contract states them and loops
+over requests in Python: it exercises the cache layout, the arguments our
+layers pass and the kernel's semantics, not its block sizes, VMEM limits or
+chunking.
+"""
+
+from tpu_models.adapt.guard import OFF_TPU, RPA_PATH, Patch, Target
+
+INTERFACE = "tpu_inference.layers.common.attention_interface"
+KERNELS = "tpu_inference.kernels.ragged_paged_attention.v3"
+
+
+def by_reference(reference):
+    """A kernel with the Pallas kernel's signature that runs `reference` on the host."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def on_host(options, queries, *arrays):
+        out, cache = reference(*(jnp.asarray(a) for a in (queries, *arrays)), **options)
+        # The reference returns the live requests' rows only; the kernel, all of them.
+        rows = np.zeros(queries.shape[:1] + out.shape[1:], out.dtype)
+        rows[:out.shape[0]] = np.asarray(out)
+        return rows, np.asarray(cache)
+
+    def kernel(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+               distribution, *sinks, sm_scale=1.0, sliding_window=None, soft_cap=None,
+               q_scale=None, k_scale=None, v_scale=None, update_kv_cache=True,
+               use_causal_mask=True, **tuning):  # block sizes: the reference has none
+        if sinks or not update_kv_cache:
+            raise NotImplementedError("TPU_MODELS_ATTENTION=rpa-reference: attention sinks "
+                                      "and KV sharing have no reference here")
+        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        if not use_causal_mask:
+            options["use_causal_mask"] = False
+        out_dtype = jnp.float32 if queries.dtype == jnp.float32 else jnp.bfloat16
+        shapes = (jax.ShapeDtypeStruct(queries.shape, out_dtype),
+                  jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
+        return jax.pure_callback(
+            lambda *a: on_host(options, *a), shapes, queries, keys, values, kv_cache,
+            kv_lens, page_indices, cu_q_lens, distribution)
+
+    return kernel
+
+
+def kernel_by_its_reference() -> None:
+    import importlib
+
+    from tpu_models.host import attention_mode
+    if attention_mode() != "rpa-reference":
+        return
+    interface = importlib.import_module(INTERFACE)
+    v3 = importlib.import_module(f"{KERNELS}.kernel")
+    hd64 = importlib.import_module(f"{KERNELS}.kernel_hd64")
+    interface.ragged_paged_attention = by_reference(v3.ref_ragged_paged_attention)
+    interface.ragged_paged_attention_hd64 = by_reference(hd64.ref_ragged_paged_attention_hd64)
+
+
+_KERNEL = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
+           "use_causal_mask update_kv_cache skip_kv_mask sm_scale sliding_window soft_cap "
+           "out_dtype mask_value q_scale k_scale v_scale chunk_prefill_size d_block_sizes "
+           "p_block_sizes m_block_sizes vmem_limit_bytes debug_mode disable_bounds_checks "
+           "disable_semaphore_checks")
+_REFERENCE = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
+              "use_causal_mask skip_kv_mask sm_scale sliding_window soft_cap out_dtype "
+              "mask_value q_scale k_scale v_scale")
+_KERNEL_HD64 = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
+                "attention_sink sm_scale sliding_window soft_cap mask_value q_scale k_scale "
+                "v_scale chunk_prefill_size num_kv_pages_per_block num_queries_per_block "
+                "vmem_limit_bytes debug_mode")
+_REFERENCE_HD64 = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
+                   "attention_sink sm_scale sliding_window soft_cap mask_value q_scale k_scale "
+                   "v_scale")
+PATCHES = [
+    Patch("RPA kernel by its reference (TPU_MODELS_ATTENTION=rpa-reference)", RPA_PATH, (
+        Target(f"{INTERFACE}.ragged_paged_attention", _KERNEL),
+        Target(f"{KERNELS}.kernel.ref_ragged_paged_attention", _REFERENCE),
+        Target(f"{INTERFACE}.ragged_paged_attention_hd64", _KERNEL_HD64),
+        Target(f"{KERNELS}.kernel_hd64.ref_ragged_paged_attention_hd64", _REFERENCE_HD64),
+        Target(f"{INTERFACE}.sharded_ragged_paged_attention",
+               "mesh q k v kv_cache kv_lens page_indices cu_q_lens distribution attention_sink "
+               "sm_scale attention_chunk_size q_scale k_scale v_scale update_kv_cache "
+               "use_causal_mask attn_logits_soft_cap decode_query_size")),
+        "the Pallas kernel compiles for TPUs only: off-TPU the TPU path could not run at all",
+        "tests/test_tpu_path.py::test_both_architectures_through_the_rpa_backend_match_transformers",
+        kernel_by_its_reference, platform=OFF_TPU),
+]
