@@ -8,7 +8,10 @@ import pytest
 
 from tpu_models import host
 from tpu_models.benchmarks.process import Server, launched
+from tpu_models.benchmarks.demo_data import held_out
 from tests.test_serve_e2e import complete_all
+from tests.test_spec_decode import accepted_draft_tokens, chat_answers
+from tests.test_tensor_parallel import FOUR_DEVICES
 from tests.tiny import Reference, make_gemma3, make_qwen3
 
 REFERENCE = {host.ATTENTION_ENV: "rpa-reference"}
@@ -26,10 +29,12 @@ def test_an_unknown_or_impossible_attention_path_is_refused_by_name():
 
 
 @pytest.mark.e2e
-def test_both_architectures_through_the_rpa_backend_match_transformers(tmp_path):
-    """Qwen3-structural, and Gemma 3 with sliding windows (the hybrid KV groups), soft
-    caps, chunked prefill of prompts several windows long and a prefix shared by two
-    of them (prefix caching)."""
+def test_both_architectures_through_the_rpa_backend_match_transformers(demo_server, tmp_path):
+    """Qwen3-structural; Gemma 3 with sliding windows (the hybrid KV groups) and soft
+    caps, tensor parallel 2 on fake devices (one KV head, repeated per shard); both
+    with chunked prefill of prompts several windows long and a prefix shared by two
+    of them (prefix caching). And the demo with its EAGLE-3 draft (attending through
+    the same backend): the answers of plain decoding on the portable kernel."""
     qwen3 = make_qwen3(tmp_path / "qwen3")
     gemma3 = make_gemma3(tmp_path / "gemma3", sliding_window=16, attn_logit_softcapping=3.0,
                          final_logit_softcapping=20.0)
@@ -37,19 +42,30 @@ def test_both_architectures_through_the_rpa_backend_match_transformers(tmp_path)
     shared = rng.integers(3, 384, 70).tolist()
     prompts = [rng.integers(3, 384, n).tolist() for n in (1, 9, 40)] + \
         [shared + rng.integers(3, 384, 30).tolist(), shared + rng.integers(3, 384, 45).tolist()]
-    common = ("--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
-              "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny")
-    servers = {name: Server(path, *common, log=tmp_path / f"{name}.log", env=REFERENCE)
-               for name, path in (("qwen3", qwen3), ("gemma3", gemma3))}
+    common = ("--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32",
+              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(32 << 20),
+              "--served-model-name", "tiny")
+    examples = held_out(8, novel=True)
+    plain = chat_answers(demo_server, examples, [False] * len(examples))
+    servers = {
+        "qwen3": Server(qwen3, *common, log=tmp_path / "qwen3.log", env=REFERENCE),
+        "gemma3 tp2": Server(gemma3, *common, "--tensor-parallel-size", "2",
+                             log=tmp_path / "gemma3.log", env={**REFERENCE, **FOUR_DEVICES}),
+        "demo eagle3": Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
+                              str(64 << 20), "--speculative", "eagle3",
+                              log=tmp_path / "demo.log", env=REFERENCE)}
     with launched(servers):
         for name, server in servers.items():
             server.start()
             assert "attention rpa-reference" in server.output(), name  # the ready line
+            if name == "demo eagle3":
+                assert chat_answers(server, examples, [False] * len(examples)) == plain
+                assert accepted_draft_tokens(server) > 0
+                continue
             got = complete_all(server, prompts, max_tokens=6)
             reference = Reference(qwen3 if name == "qwen3" else gemma3)
             for prompt, ids in zip(prompts, got):
                 assert ids == reference.greedy(prompt, 6), f"{name}: prompt of {len(prompt)}"
-            assert "ragged_paged_attention" not in server.output()  # no kernel error logged
 
 
 def test_tpu_models_serve_refuses_an_attention_path_it_cannot_run(tmp_path):

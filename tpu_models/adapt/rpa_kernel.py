@@ -58,6 +58,17 @@ def kernel_by_its_reference() -> None:
     from tpu_models.host import attention_mode
     if attention_mode() != "rpa-reference":
         return
+    import jax
+    # The reference dispatches JAX work of its own from inside the step's callback.
+    # XLA:CPU admits a bounded number of programs in flight per device, and with
+    # asynchronous dispatch the engine queues the next steps' programs behind the
+    # one held in the callback (speculative decoding queues dozens): the reference's
+    # own programs then wait for a slot forever. Run programs inline instead.
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():  # the flag is read when the client is made
+        raise RuntimeError("TPU_MODELS_ATTENTION=rpa-reference must be set up before JAX "
+                           "opens its CPU backend")
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     interface = importlib.import_module(INTERFACE)
     v3 = importlib.import_module(f"{KERNELS}.kernel")
     hd64 = importlib.import_module(f"{KERNELS}.kernel_hd64")
