@@ -7,6 +7,8 @@ USAGE = """usage: tpu-models <command> [args]
 
 commands:
   serve    serve a model (default: the embedded demo) with the real `vllm serve`
+  doctor   check this host: platform, versions, adaptations, and both architectures
+           served against transformers' greedy tokens (exit 0 ok, 1 mismatch, 2 cannot run)
   export   convert checkpoints to HF safetensors (maxtext, tunix, lora-merge, gemma3-text)
   inspect  print a checkpoint's format, layout and tensors (HF, MaxText, Tunix, PEFT)
   bench    benchmarks: serve (vLLM's metrics), compare (vs built-in Qwen3 and transformers),
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         from tpu_models.server import serve
         serve.main(rest)
+    elif command == "doctor":
+        from tpu_models.server import doctor
+        doctor.main(rest)
     elif command == "export":
         from tpu_models.server import export
         export.main(rest)

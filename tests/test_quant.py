@@ -408,12 +408,14 @@ def test_gemma3_presets_within_bounds(gemma3_model, preset):
 
 # --- every preset through the real `vllm serve` ----------------------------------
 
-SERVED = [  # (preset, model, extra server arguments): each preset once, both models
-    ("int8-weight-only", "qwen3", []),
-    ("int8", "qwen3", []),
-    ("fp8", "qwen3", ["--kv-cache-dtype", "fp8"]),
-    # Gemma 3's local layers in their own (window) KV-cache groups, in fp8
-    ("int4-weight-only", "gemma3", ["--kv-cache-dtype", "fp8"]),
+SERVED = [  # (preset, model, extra server arguments, environment): each preset once, both models
+    ("int8-weight-only", "qwen3", [], {}),
+    ("int8", "qwen3", [], {}),
+    ("fp8", "qwen3", ["--kv-cache-dtype", "fp8"], {}),
+    # Gemma 3's local layers in their own (window) KV-cache groups, in fp8, through
+    # the TPU attention path (RPA v3's fp8 cache layout and scales; docs/tpu-path.md)
+    ("int4-weight-only", "gemma3", ["--kv-cache-dtype", "fp8"],
+     {"TPU_MODELS_ATTENTION": "rpa-reference"}),
 ]
 
 
@@ -430,13 +432,13 @@ class ServerQueue:
         from tpu_models.benchmarks.process import Server
         if index in self.servers:
             return
-        preset, arch, extra = SERVED[index]
+        preset, arch, extra, env = SERVED[index]
         vocab_size = json.loads((self.directories[arch] / "config.json").read_text())["vocab_size"]
         self.servers[index] = Server(
             self.directories[arch], "--quant", preset, *extra, "--dtype", "float32",
             "--max-model-len", "256", "--max-num-seqs", "8", "--max-logprobs", str(vocab_size),
             "--kv-cache-memory-bytes", str(32 * 2**20), "--served-model-name", "tiny",
-            env={"SKIP_JAX_PRECOMPILE": "1"}, log=self.log_dir / f"serve-{preset}.log").launch()
+            env={"SKIP_JAX_PRECOMPILE": "1", **env}, log=self.log_dir / f"serve-{preset}.log").launch()
 
     def prefetch(self, index: int) -> None:
         """Launches this case's server and the next selected one's."""
@@ -531,14 +533,16 @@ def prefix_agreement(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("index", range(len(SERVED)), ids=[p for p, _, _ in SERVED])
+@pytest.mark.parametrize("index", range(len(SERVED)), ids=[p for p, *_ in SERVED])
 def test_preset_served_by_vllm_within_bounds(index, served, expectations):
-    preset, arch, extra = SERVED[index]
+    preset, arch, extra, env = SERVED[index]
     served.prefetch(index)  # start-up overlaps the reference computation
     expected = expectations(arch)
     server = served.server(index)
     try:
         assert "Applying Qwix quantization" in server.output()
+        if env:  # the ready line names the attention path
+            assert f"attention {env['TPU_MODELS_ATTENTION']})" in server.output()
         log_probs = served_log_probs(server, expected["sequences"], expected["vocab_size"])
         greedy = served_greedy(server, expected["prompts"], GREEDY_TOKENS)
     finally:

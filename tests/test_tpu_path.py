@@ -10,6 +10,7 @@ from tpu_models import host
 from tpu_models.benchmarks.process import Server, launched
 from tpu_models.benchmarks.demo_data import held_out
 from tests.test_serve_e2e import complete_all
+from tests.test_multi_lora import adapters_for, check_jobs, lora_modules, random_jobs
 from tests.test_spec_decode import accepted_draft_tokens, chat_answers
 from tests.test_tensor_parallel import FOUR_DEVICES
 from tests.tiny import Reference, make_gemma3, make_qwen3
@@ -30,7 +31,7 @@ def test_an_unknown_or_impossible_attention_path_is_refused_by_name():
 
 @pytest.mark.e2e
 def test_both_architectures_through_the_rpa_backend_match_transformers(demo_server, tmp_path):
-    """Qwen3-structural; Gemma 3 with sliding windows (the hybrid KV groups) and soft
+    """Qwen3-structural, beside three LoRA adapters in one mixed batch; Gemma 3 with sliding windows (the hybrid KV groups) and soft
     caps, tensor parallel 2 on fake devices (one KV head, repeated per shard); both
     with chunked prefill of prompts several windows long and a prefix shared by two
     of them (prefix caching). And the demo with its EAGLE-3 draft (attending through
@@ -45,10 +46,12 @@ def test_both_architectures_through_the_rpa_backend_match_transformers(demo_serv
     common = ("--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32",
               "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(32 << 20),
               "--served-model-name", "tiny")
+    adapters = adapters_for(qwen3, tmp_path / "adapters")
     examples = held_out(8, novel=True)
     plain = chat_answers(demo_server, examples, [False] * len(examples))
     servers = {
-        "qwen3": Server(qwen3, *common, log=tmp_path / "qwen3.log", env=REFERENCE),
+        "qwen3": Server(qwen3, *common, "--enable-lora", "--max-loras", "3", "--max-lora-rank",
+                        "8", *lora_modules(adapters), log=tmp_path / "qwen3.log", env=REFERENCE),
         "gemma3 tp2": Server(gemma3, *common, "--tensor-parallel-size", "2",
                              log=tmp_path / "gemma3.log", env={**REFERENCE, **FOUR_DEVICES}),
         "demo eagle3": Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
@@ -62,6 +65,10 @@ def test_both_architectures_through_the_rpa_backend_match_transformers(demo_serv
                 assert chat_answers(server, examples, [False] * len(examples)) == plain
                 assert accepted_draft_tokens(server) > 0
                 continue
+            if name == "qwen3":  # each request against its own adapter merged by peft
+                references = {"tiny": Reference(qwen3)} | {
+                    a: Reference(qwen3, adapter=path) for a, (_, path) in adapters.items()}
+                check_jobs(server, random_jobs(["tiny", *adapters], 384, seed=3)[:8], references)
             got = complete_all(server, prompts, max_tokens=6)
             reference = Reference(qwen3 if name == "qwen3" else gemma3)
             for prompt, ids in zip(prompts, got):

@@ -142,9 +142,12 @@ def test_wheel_holds_one_import_root_and_its_data(wheel):
     roots = {name.split("/")[0] for name in names}
     dist_info = {r for r in roots if r.endswith(".dist-info")}
     assert roots - dist_info == {"tpu_models"} and len(dist_info) == 1, sorted(roots)
-    for model in ("default_model", "default_model_eagle3"):
+    for model in ("default_model", "default_model_eagle3", "doctor_models/qwen3-structural",
+                  "doctor_models/gemma3"):
         for file in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"tpu_models/server/{model}/{file}" in names
+    assert "tpu_models/server/doctor_models/expected.json" in names  # tpu-models doctor
+    assert "tpu_models/benchmarks/demo_free_held_out.json" in names  # demo_quality
     presets = {p.name for p in (REPO / "quant" / "presets").glob("*.yaml")}
     assert presets and {n.split("/")[-1] for n in names
                         if n.startswith("tpu_models/quant/presets/")} == presets

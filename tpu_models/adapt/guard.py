@@ -151,17 +151,23 @@ def refused() -> dict[str, str]:
     return dict(_refused)
 
 
+def assess(patches: list[Patch]) -> dict[str, tuple[list[Patch], list[str]]]:
+    """feature name -> (its patches that apply on this host, what stops them)."""
+    off_tpu = host_platform_set()
+    by_feature: dict[str, list[Patch]] = {}
+    for patch in patches:
+        if off_tpu or patch.platform == EVERYWHERE:
+            by_feature.setdefault(patch.feature.name, []).append(patch)
+    return {name: (group, [f"{p.name}: {problem}" for p in group for t in p.targets
+                           if (problem := t.problem())])
+            for name, group in by_feature.items()}
+
+
 def install(patches: list[Patch], log) -> None:
     """Installs the patches that apply on this host, a feature's all or none."""
     version = upstream_version()
-    off_tpu = host_platform_set()
-    applicable = [p for p in patches if off_tpu or p.platform == EVERYWHERE]
-    by_feature: dict[str, list[Patch]] = {}
-    for patch in applicable:
-        by_feature.setdefault(patch.feature.name, []).append(patch)
-    for name, group in by_feature.items():
-        problems = [f"{p.name}: {problem}" for p in group for t in p.targets
-                    if (problem := t.problem())]
+    by_feature = assess(patches)
+    for name, (group, problems) in by_feature.items():
         if not problems:
             for patch in group:
                 patch.install()

@@ -1,0 +1,72 @@
+"""`tpu-models doctor`: the shipped references are transformers', and the command
+serves both architectures against them, with its exit status saying how it went."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tpu_models import host
+from tpu_models.server.doctor import MODELS, mismatches
+from tests.tiny import Reference
+
+
+@pytest.mark.parametrize("name", ["qwen3-structural", "gemma3"])
+def test_the_shipped_expectations_are_transformers_greedy_tokens_by_a_margin(name):
+    expected = json.loads((MODELS / "expected.json").read_text())
+    reference, want = Reference(MODELS / name), expected[name]
+    for prompt, greedy in zip(want["prompts"], want["greedy"]):
+        ids = list(prompt)
+        for token in greedy:
+            top = np.sort(reference.logits(ids)[-1])[-2:]
+            assert top[1] - top[0] >= expected["min_margin"]  # not a near tie
+            ids.append(int(reference.logits(ids)[-1].argmax()))
+        assert ids[len(prompt):] == greedy
+
+
+def test_a_mismatch_names_the_model_the_prompt_and_the_first_token():
+    want = {"prompts": [[5, 6, 7]], "greedy": [[1, 2, 3]], "margins": [0.4]}
+    assert mismatches("gemma3", want, [[1, 2, 3]]) == []
+    [line] = mismatches("gemma3", want, [[1, 9, 3]])
+    assert "gemma3: prompt 0 (3 tokens)" in line and "at token 1" in line
+
+
+def doctor(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "tpu_models.server.cli", "doctor", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+
+
+@pytest.mark.e2e
+def test_doctor_passes_here_and_fails_on_a_wrong_answer(tmp_path):
+    """The shipped checkpoints: exit 0, every check named. A copy whose expected
+    tokens for one Gemma 3 prompt are wrong (run at the same time): exit 1."""
+    wrong = tmp_path / "models"
+    shutil.copytree(MODELS / "gemma3", wrong / "gemma3")
+    expected = json.loads((MODELS / "expected.json").read_text())
+    expected["gemma3"]["greedy"][2][3] = (expected["gemma3"]["greedy"][2][3] + 1) % 384
+    (wrong / "expected.json").write_text(json.dumps(expected))
+    good, bad = doctor(), doctor("--models", str(wrong), "--keep-logs", str(tmp_path / "logs"))
+    out, bad_out = good.communicate(timeout=600)[0], bad.communicate(timeout=600)[0]
+    print(out)
+    assert good.returncode == 0, out
+    for line in ("platform    cpu (no TPU", "versions    vllm-tpu 0.32.0, tpu-inference 0.32.0",
+                 "attention   portable", "applies   the hybrid KV cache for sliding-window layers",
+                 "qwen3-structural: ready in", "gemma3: ready in"):
+        assert line in out
+    assert out.count("4 prompts, 32 greedy tokens equal transformers'") == 2
+    assert out.strip().splitlines()[-1].startswith("doctor: ok, both architectures")
+    assert bad.returncode == 1, bad_out
+    assert "MISMATCH    gemma3: prompt 2 (45 tokens) differs from transformers at token 3" in bad_out
+    assert bad_out.strip().splitlines()[-1].startswith("doctor: 1 mismatch(es)")
+
+
+def test_doctor_cannot_run_with_an_unknown_attention_path():
+    env = {**os.environ, host.ATTENTION_ENV: "pallas"}
+    out, _ = doctor(env=env).communicate(timeout=120)
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("doctor: cannot run: TPU_MODELS_ATTENTION='pallas' is not")
