@@ -12,6 +12,10 @@ uses only made-up words from that seed, values training never showed.
 
 import json
 import random
+from pathlib import Path
+
+# Hand-written, freely phrased requests: frozen, never for training or selection.
+FREE_HELD_OUT = Path(__file__).parent / "demo_free_held_out.json"
 
 NAMES = ["Alice", "Bob", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
          "Keiko", "Liam", "Maya", "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sven", "Tara",
@@ -112,6 +116,12 @@ def held_out(num: int, novel: bool = False) -> list[dict]:
     known = {v for e in train for v in e["record"].values() if isinstance(v, str)}
     return [e for e in dataset(4 * num, HELD_OUT_SEED, made_up_share=1.0)
             if not known & {v for v in e["record"].values() if isinstance(v, str)}][:num]
+
+
+def free_held_out() -> list[dict]:
+    """The frozen hand-written set (FREE_HELD_OUT), each with its JSON answer."""
+    examples = json.loads(FREE_HELD_OUT.read_text())["examples"]
+    return [{**e, "answer": json.dumps(e["record"])} for e in examples]
 
 
 def json_schema(schema: str) -> dict:
