@@ -42,20 +42,25 @@ def doctor(*args, env=None):
 
 
 @pytest.mark.e2e
-def test_doctor_passes_here_and_fails_on_a_wrong_answer(tmp_path):
-    """The shipped checkpoints: exit 0, every check named. A copy whose expected
-    tokens for one Gemma 3 prompt are wrong (run at the same time): exit 1."""
+def test_doctor_passes_on_the_pallas_kernel_and_fails_on_a_wrong_answer(tmp_path):
+    """The shipped checkpoints served through tpu-inference's RPA v3 Pallas kernel in
+    JAX's TPU interpreter (TPU_MODELS_ATTENTION=rpa-interpret): exit 0, every check
+    named. A copy whose expected tokens for one Gemma 3 prompt are wrong (portable
+    kernel, run at the same time): exit 1."""
     wrong = tmp_path / "models"
     shutil.copytree(MODELS / "gemma3", wrong / "gemma3")
     expected = json.loads((MODELS / "expected.json").read_text())
     expected["gemma3"]["greedy"][2][3] = (expected["gemma3"]["greedy"][2][3] + 1) % 384
     (wrong / "expected.json").write_text(json.dumps(expected))
-    good, bad = doctor(), doctor("--models", str(wrong), "--keep-logs", str(tmp_path / "logs"))
+    good = doctor(env={**os.environ, host.ATTENTION_ENV: "rpa-interpret"})
+    bad = doctor("--models", str(wrong), "--keep-logs", str(tmp_path / "logs"))
     out, bad_out = good.communicate(timeout=600)[0], bad.communicate(timeout=600)[0]
     print(out)
     assert good.returncode == 0, out
     for line in ("platform    cpu (no TPU", "versions    vllm-tpu 0.32.0, tpu-inference 0.32.0",
-                 "attention   portable", "applies   the hybrid KV cache for sliding-window layers",
+                 "attention   rpa-interpret",
+                 "applies   the Pallas kernel interpreted off-TPU",
+                 "applies   the hybrid KV cache for sliding-window layers",
                  "qwen3-structural: ready in", "gemma3: ready in"):
         assert line in out
     assert out.count("4 prompts, 32 greedy tokens equal transformers'") == 2

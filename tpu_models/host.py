@@ -75,13 +75,17 @@ ATTENTION_MODES = {
     "rpa-reference": "tpu-inference's RPA backend, its kernel replaced by its reference",
     "rpa-interpret": "tpu-inference's RPA backend, its Pallas kernel interpreted",
 }
-# Why a mode cannot run here (checked at start-up).
-UNAVAILABLE = {
-    "rpa-interpret": "JAX 0.11.2's Pallas TPU interpreter stops inside RPA v3 (AttributeError: "
-                     "'ReshapeTransform' object has no attribute 'indices', in "
-                     "jax/_src/pallas/mosaic/interpret/utils.py to_range: it reads only "
-                     "indexer transforms of a ref); use rpa-reference",
-}
+# rpa-interpret adapts the private callbacks of this JAX's Pallas TPU interpreter
+# (tpu_models/adapt/rpa_interpret.py).
+INTERPRETER_JAX = "0.11.2"
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 class AttentionModeError(ValueError):
@@ -102,6 +106,8 @@ def attention_mode(env=None) -> str:
     if value == "rpa" and off_tpu:
         raise AttentionModeError(f"{ATTENTION_ENV}=rpa needs a TPU (the Pallas kernel compiles "
                                  "for TPUs only); off-TPU use rpa-reference")
-    if value in UNAVAILABLE:
-        raise AttentionModeError(f"{ATTENTION_ENV}={value} cannot run: {UNAVAILABLE[value]}")
+    if value == "rpa-interpret" and (jax := _version("jax")) != INTERPRETER_JAX:
+        raise AttentionModeError(
+            f"{ATTENTION_ENV}=rpa-interpret cannot run: it adapts JAX {INTERPRETER_JAX}'s "
+            f"Pallas TPU interpreter, this is JAX {jax}; use rpa-reference")
     return value

@@ -77,9 +77,13 @@ SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lam
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
 SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids and min_tokens",
                          lambda *_: False, "")
-RPA_PATH = Feature("the TPU attention path off-TPU (TPU_MODELS_ATTENTION=rpa-reference)",
-                   lambda *_: _attention_mode() == "rpa-reference",
+RPA_PATH = Feature("the TPU attention path off-TPU (TPU_MODELS_ATTENTION=rpa-reference, "
+                   "rpa-interpret)",
+                   lambda *_: _attention_mode() in ("rpa-reference", "rpa-interpret"),
                    "TPU_MODELS_ATTENTION=portable")
+RPA_INTERPRET = Feature("the Pallas kernel interpreted off-TPU (TPU_MODELS_ATTENTION=rpa-interpret)",
+                        lambda *_: _attention_mode() == "rpa-interpret",
+                        "TPU_MODELS_ATTENTION=rpa-reference")
 # Speed only: refused, the server starts slower and nothing else.
 STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the background)",
                   lambda *_: False, "")
@@ -218,4 +222,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, STARTUP, LOG)
+            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP, LOG)

@@ -3,13 +3,15 @@
 On a TPU our models call tpu-inference's RPA backend: its KV-cache layout, its
 shard_map over heads, and the Pallas kernel (`ragged_paged_attention`, or its
 head_dim-64 twin). Off-TPU they call the portable kernel, unless
-TPU_MODELS_ATTENTION=rpa-reference: then everything but the kernel body is the
-TPU path, and the body is tpu-inference's own reference of it
-(`ref_ragged_paged_attention`), called on the host through `jax.pure_callback`.
-The reference checks its inputs as the kernel's contract states them and loops
-over requests in Python: it exercises the cache layout, the arguments our
-layers pass and the kernel's semantics, not its block sizes, VMEM limits or
-chunking.
+TPU_MODELS_ATTENTION asks for the TPU path: then everything around the kernel
+is what a TPU runs, and the kernel is
+- rpa-interpret: the Pallas kernel itself, in JAX's TPU interpreter
+  (adapt/rpa_interpret.py): its block sizes, DMAs and double buffering too;
+- rpa-reference: tpu-inference's own reference of it
+  (`ref_ragged_paged_attention`), called on the host through `jax.pure_callback`.
+  The reference checks its inputs as the kernel's contract states them and
+  loops over requests in Python: it exercises the cache layout, the arguments
+  our layers pass and the kernel's semantics, not block sizes, VMEM or chunking.
 """
 
 from tpu_models.adapt.guard import OFF_TPU, RPA_PATH, Patch, Target
@@ -52,26 +54,32 @@ def by_reference(reference):
     return kernel
 
 
-def kernel_by_its_reference() -> None:
+def kernel_off_tpu() -> None:
     import importlib
 
     from tpu_models.host import attention_mode
-    if attention_mode() != "rpa-reference":
+    mode = attention_mode()
+    if mode not in ("rpa-reference", "rpa-interpret"):
         return
     import jax
-    # The reference dispatches JAX work of its own from inside the step's callback.
-    # XLA:CPU admits a bounded number of programs in flight per device, and with
+    # The reference (and the interpreter) dispatches JAX work of its own from inside
+    # the step's callbacks. XLA:CPU admits a bounded number of programs in flight per device, and with
     # asynchronous dispatch the engine queues the next steps' programs behind the
     # one held in the callback (speculative decoding queues dozens): the reference's
     # own programs then wait for a slot forever. Run programs inline instead.
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():  # the flag is read when the client is made
-        raise RuntimeError("TPU_MODELS_ATTENTION=rpa-reference must be set up before JAX "
+        raise RuntimeError(f"TPU_MODELS_ATTENTION={mode} must be set up before JAX "
                            "opens its CPU backend")
     jax.config.update("jax_cpu_enable_async_dispatch", False)
     interface = importlib.import_module(INTERFACE)
     v3 = importlib.import_module(f"{KERNELS}.kernel")
     hd64 = importlib.import_module(f"{KERNELS}.kernel_hd64")
+    if mode == "rpa-interpret":
+        from tpu_models.adapt.rpa_interpret import interpreted
+        interface.ragged_paged_attention = interpreted(v3, "ragged_paged_attention")
+        interface.ragged_paged_attention_hd64 = interpreted(hd64, "ragged_paged_attention_hd64")
+        return
     interface.ragged_paged_attention = by_reference(v3.ref_ragged_paged_attention)
     interface.ragged_paged_attention_hd64 = by_reference(hd64.ref_ragged_paged_attention_hd64)
 
@@ -92,7 +100,8 @@ _REFERENCE_HD64 = ("queries keys values kv_cache kv_lens page_indices cu_q_lens 
                    "attention_sink sm_scale sliding_window soft_cap mask_value q_scale k_scale "
                    "v_scale")
 PATCHES = [
-    Patch("RPA kernel by its reference (TPU_MODELS_ATTENTION=rpa-reference)", RPA_PATH, (
+    Patch("RPA kernel by its reference or interpreted (TPU_MODELS_ATTENTION=rpa-reference, "
+          "rpa-interpret)", RPA_PATH, (
         Target(f"{INTERFACE}.ragged_paged_attention", _KERNEL),
         Target(f"{KERNELS}.kernel.ref_ragged_paged_attention", _REFERENCE),
         Target(f"{INTERFACE}.ragged_paged_attention_hd64", _KERNEL_HD64),
@@ -103,5 +112,5 @@ PATCHES = [
                "use_causal_mask attn_logits_soft_cap decode_query_size")),
         "the Pallas kernel compiles for TPUs only: off-TPU the TPU path could not run at all",
         "tests/test_tpu_path.py::test_both_architectures_through_the_rpa_backend_match_transformers",
-        kernel_by_its_reference, platform=OFF_TPU),
+        kernel_off_tpu, platform=OFF_TPU),
 ]
