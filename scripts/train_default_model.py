@@ -38,6 +38,10 @@ from tpu_models.benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # n
 
 CONFIG = dict(vocab=512, hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, mlp=576,
               rope_theta=10000.0, eps=1e-6, max_len=96)
+# --data free: freely phrased requests (benchmarks/demo_phrasing.py) beside the templates,
+# longer sentences, names in many scripts' Latin letters: more vocabulary, width and length.
+FREE_CONFIG = dict(CONFIG, vocab=1024, hidden=256, heads=8, mlp=768, max_len=128)
+FREE_SIZE, FREE_SEED, TEMPLATE_SHARE = 60000, 0, 0.25
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -196,13 +200,26 @@ def main():
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "server" / "default_model"))
+    parser.add_argument("--data", choices=["templates", "free"], default="templates",
+                        help="templates: demo_data's 12 templates (the shipped demo); free: "
+                             "freely phrased requests and a share of the templates")
     args = parser.parse_args()
 
     examples = dataset(TRAIN_SIZE, TRAIN_SEED)
+    if args.data == "free":
+        from tpu_models.benchmarks.demo_phrasing import free_dataset
+        CONFIG.update(FREE_CONFIG)
+        rng = np.random.default_rng(FREE_SEED)
+        kept = [examples[i] for i in rng.permutation(len(examples))[:int(FREE_SIZE * TEMPLATE_SHARE)]]
+        examples = free_dataset(FREE_SIZE, FREE_SEED) + kept
+        # Accented names answer as written, not as \u escapes the model would have to learn.
+        examples = [{**e, "answer": json.dumps(e["record"], ensure_ascii=False)} for e in examples]
     work = Path(tempfile.mkdtemp(prefix="demo-train-"))
     tokenizer = train_tokenizer(examples, work / "tokenizer")
     ids, mask = encode(tokenizer, examples)
-    print(f"{len(examples)} examples, {int(mask.sum())} answer tokens; tokenizer: {len(tokenizer)}")
+    cut = int((ids[:, -1] != tokenizer.pad_token_id).sum())  # reached max_len: maybe cut short
+    print(f"{len(examples)} examples, {int(mask.sum())} answer tokens, {cut} at max_len; "
+          f"tokenizer: {len(tokenizer)}")
     params = train(ids, mask, args.steps, args.batch, tokenizer.pad_token_id)
 
     import orbax.checkpoint as ocp
