@@ -48,6 +48,20 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def training_examples(data: str) -> list[dict]:
+    """The demo's training set; "free" also sizes CONFIG for it."""
+    examples = dataset(TRAIN_SIZE, TRAIN_SEED)
+    if data == "templates":
+        return examples
+    from tpu_models.benchmarks.demo_phrasing import free_dataset
+    CONFIG.update(FREE_CONFIG)
+    rng = np.random.default_rng(FREE_SEED)
+    kept = [examples[i] for i in rng.permutation(len(examples))[:int(FREE_SIZE * TEMPLATE_SHARE)]]
+    examples = free_dataset(FREE_SIZE, FREE_SEED) + kept
+    # Accented names answer as written, not as \u escapes the model would have to learn.
+    return [{**e, "answer": json.dumps(e["record"], ensure_ascii=False)} for e in examples]
+
+
 def train_tokenizer(examples, directory: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -205,15 +219,7 @@ def main():
                              "freely phrased requests and a share of the templates")
     args = parser.parse_args()
 
-    examples = dataset(TRAIN_SIZE, TRAIN_SEED)
-    if args.data == "free":
-        from tpu_models.benchmarks.demo_phrasing import free_dataset
-        CONFIG.update(FREE_CONFIG)
-        rng = np.random.default_rng(FREE_SEED)
-        kept = [examples[i] for i in rng.permutation(len(examples))[:int(FREE_SIZE * TEMPLATE_SHARE)]]
-        examples = free_dataset(FREE_SIZE, FREE_SEED) + kept
-        # Accented names answer as written, not as \u escapes the model would have to learn.
-        examples = [{**e, "answer": json.dumps(e["record"], ensure_ascii=False)} for e in examples]
+    examples = training_examples(args.data)
     work = Path(tempfile.mkdtemp(prefix="demo-train-"))
     tokenizer = train_tokenizer(examples, work / "tokenizer")
     ids, mask = encode(tokenizer, examples)

@@ -35,9 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tpu_models.benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
 from tpu_models.loaders import eagle3  # noqa: E402
-from train_default_model import encode  # noqa: E402  (scripts/, beside this one)
+from train_default_model import encode, training_examples  # noqa: E402  (scripts/, beside this one)
 
 ROOT = Path(__file__).parents[1]
 TARGET = ROOT / "server" / "default_model"
@@ -46,15 +45,15 @@ EXAMPLES = 2000  # of the demo's training set: their hidden states are kept in m
 DRAFT_STEPS = 4  # draft positions trained (training-time test): tokens a step can propose
 
 
-def target_features(examples):
+def target_features(examples, target: Path):
     """Token ids [B, T], the target's auxiliary hidden states [B, T, 3D] and
     embedding table [V, D] (transformers, float32), and the loss mask [B, T]
     over positions t whose x_{t+2} is an answer token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ids, predicts_answer = encode(tokenizer, examples)  # as the demo was trained
     mask = np.zeros_like(predicts_answer)
     mask[:, :-1] = predicts_answer[:, 1:]  # position t drafts x_{t+2}
@@ -65,7 +64,7 @@ def target_features(examples):
             # hidden_states[i] is layer i's input (0: the embeddings).
             aux[start:start + 64] = torch.cat([out.hidden_states[i] for i in AUX_LAYERS], -1).numpy()
         embedding = model.model.embed_tokens.weight.numpy().copy()
-    return ids, aux, embedding, mask, json.loads((TARGET / "config.json").read_text())
+    return ids, aux, embedding, mask, json.loads((target / "config.json").read_text())
 
 
 def init_params(config, key):
@@ -193,10 +192,15 @@ def main():
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", default=str(ROOT / "server" / "default_model_eagle3"))
+    parser.add_argument("--target", default=str(TARGET), help="the demo model drafted for")
+    parser.add_argument("--data", choices=["templates", "free"], default="templates",
+                        help="the training set the demo was trained on")
     args = parser.parse_args()
 
-    examples = dataset(TRAIN_SIZE, TRAIN_SEED)[:EXAMPLES]
-    ids, aux, embedding, mask, target = target_features(examples)
+    # The demo's own training distribution (as it was trained: --data of that run).
+    examples = training_examples(args.data)
+    examples = [examples[i] for i in np.random.default_rng(0).permutation(len(examples))[:EXAMPLES]]
+    ids, aux, embedding, mask, target = target_features(examples, Path(args.target))
     config = eagle3.draft_config(target, aux_layers=AUX_LAYERS,
                                  intermediate_size=target["intermediate_size"])
     config["max_position_embeddings"] = target["max_position_embeddings"]
@@ -204,7 +208,7 @@ def main():
     params = train(config, ids, aux, embedding, mask, args.steps, args.batch)
     tensors = {name: np.asarray(value, np.float32) for name, value in params.items()}
     tensors["d2t"] = np.zeros(config["draft_vocab_size"], np.int64)  # same vocabulary
-    out = eagle3.write_draft(args.out, config, tensors, tokenizer=TARGET, overwrite=True)
+    out = eagle3.write_draft(args.out, config, tensors, tokenizer=args.target, overwrite=True)
     print(f"wrote {out}")
 
 
