@@ -26,6 +26,8 @@ OWN_OPTIONS = {
                                       "phase"),
     "spec": ("tpu_models.benchmarks.spec_decode", "speculative decoding on the demo model: off, n-gram and "
                                        "EAGLE-3 side by side (tok/s, TPOT, acceptance)"),
+    "spec-calls": ("tpu_models.benchmarks.spec_calls", "compiled programs launched per EAGLE-3 "
+                   "decode step, fused and not (in-process engines, jax.profiler)"),
     "lora": ("tpu_models.benchmarks.multi_lora", "adapters chosen per request (--enable-lora) vs one "
                                       "merged at load: output tok/s at 1, 4, 16 (served)"),
     "real-scale": ("tpu_models.benchmarks.real_scale", "real-shaped models served one request at a time: "

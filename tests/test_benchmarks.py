@@ -19,7 +19,8 @@ def test_bench_is_reached_through_its_entry_point(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--help"])
     help_text = capsys.readouterr().out
-    assert exit_.value.code == 0 and "{serve,compare,step,kv-cache,startup,spec,lora,real-scale,ab,quant}" in help_text
+    assert exit_.value.code == 0 and (
+        "{serve,compare,step,kv-cache,startup,spec,spec-calls,lora,real-scale,ab,quant}" in help_text)
 
 
 def test_bench_serve_against_a_running_server(demo_server, tmp_path):

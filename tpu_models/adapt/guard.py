@@ -87,6 +87,9 @@ RPA_INTERPRET = Feature("the Pallas kernel interpreted off-TPU (TPU_MODELS_ATTEN
 # Speed only: refused, the server starts slower and nothing else.
 STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the background)",
                   lambda *_: False, "")
+# Speed only: refused, an EAGLE-3 step launches tpu-inference's programs one by one.
+SPEC_FUSION = Feature("EAGLE-3 verification and drafting in one program per step",
+                      lambda *_: False, "")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -222,4 +225,5 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP, LOG)
+            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP,
+            SPEC_FUSION, LOG)

@@ -226,8 +226,16 @@ def extras_sampled() -> None:
         return original_sample(rng, mesh, logits, tpu_sampling_metadata,
                                allow_distributed_sampling=allow_distributed_sampling)
 
+    def traced(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
+        # The same choice inside a program that calls it (adapt.spec_fusion): a jit
+        # with compiler options, as tpu-inference's, cannot be nested.
+        if isinstance(tpu_sampling_metadata, metadata_class()):
+            return sample_extended(rng, mesh, logits, tpu_sampling_metadata)
+        return original_sample.__wrapped__(rng, mesh, logits, tpu_sampling_metadata,
+                                           allow_distributed_sampling=allow_distributed_sampling)
+
     # The precompiler builds plain metadata only, and lowers what has a `lower`.
-    sample.lower = original_sample.lower
+    sample.lower, sample.__wrapped__ = original_sample.lower, traced
     rebind("tpu_inference.layers.jax.sample.sampling", "sample", sample)
 
 

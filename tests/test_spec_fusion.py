@@ -1,0 +1,47 @@
+"""EAGLE-3 steps verified and drafted in one compiled program (adapt.spec_fusion):
+the text of plain decoding, from the fused program, not tpu-inference's calls."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_spec_decode import chat_answers
+from tpu_models.benchmarks.demo_data import held_out
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS = 4
+# An in-process engine (its runner in this script's process, so its counters too).
+SCRIPT = """
+import json, sys, vllm
+from tpu_models.adapt import spec_fusion
+from tpu_models.server.serve import DEFAULT_MODEL, SPECULATIVE
+llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
+               kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=256,
+               speculative_config=SPECULATIVE["eagle3"])
+chats = [[{"role": "user", "content": r}] for r in json.loads(sys.argv[1])]
+out = llm.chat(chats, vllm.SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in out],
+                              "steps": dict(spec_fusion.STEPS)}))
+"""
+
+
+def test_fused_eagle3_steps_give_the_text_of_plain_decoding(demo_server):
+    examples = held_out(REQUESTS, novel=True)
+    plain = chat_answers(demo_server, examples, [False] * REQUESTS)
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps([e["request"] for e in examples])],
+        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["texts"] == plain
+    steps = result["steps"]
+    # Every step of an EAGLE-3 engine is eligible here: all fused, our draft inputs
+    # upstream's (none redrafted), none failed.
+    assert steps.get("fused", 0) > 4 and set(steps) == {"fused"}, steps
