@@ -41,9 +41,10 @@ def margins(reference: Reference, prompt: list[int]) -> tuple[list[int], float]:
     ids = list(prompt)
     least = np.inf
     for _ in range(TOKENS):
-        row = np.sort(reference.logits(ids)[-1])
-        least = min(least, float(row[-1] - row[-2]))
-        ids.append(int(reference.logits(ids)[-1].argmax()))
+        row = reference.logits(ids)[-1]
+        second, first = np.sort(row)[-2:]
+        least = min(least, float(first - second))
+        ids.append(int(row.argmax()))
     return ids[len(prompt):], least
 
 
