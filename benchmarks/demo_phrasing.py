@@ -2,265 +2,221 @@
 "Wanjiru Kamau has been a pharmacist at Kigali General Hospital for 9 years, believe it or not" ->
 {"name": "Wanjiru Kamau", "role": "pharmacist", "company": "Kigali General Hospital", "years": 9}.
 
-A bracket grammar over ~20 template lines per schema, each with many variants, plus filler
-prefixes, context clauses that name no value, punctuation and lowercase variants. Values: names
-and cities from many languages, generated companies and products, and made-up words (~30%) so
-that the model learns to copy rather than recall. `validate` checks the conventions. Nothing here
-reads the frozen evaluation set, nor names the issue's examples it holds (St. Mary Hospital, Aurora
-X2). Stats and samples: ./dev python scripts/demo_phrasing_stats.py
+A bracket grammar over ~40 template lines per schema (statements, questions, requests, first person,
+listings, CRM and HR notes, appositions, the number first or last), key: value lines and bare lists in
+any order, fillers, clauses before and after that name no value, request frames, contractions, case and
+punctuation. Values: demo_phrasing_values.py. `validate` checks the conventions; digits other than the
+integer may only sit inside the product ("Zenith X5 kettle"). Nothing here reads the frozen evaluation
+set. Stats and samples: ./dev python scripts/demo_phrasing_stats.py
 """
 
 import json
 import random
 import re
 
-from tpu_models.benchmarks.demo_data import made_up_word
+from tpu_models.benchmarks.demo_phrasing_values import (
+    COLOR_RE, COLORS, CONTEXT, FIELDS, FRAMES, KEYS, MONEY, OPENERS, PLURAL, PREDICATES, PREFIXES, PRONOUNS,
+    RANGES, SUFFIXES, values)
 
-MADE_UP = 0.3  # share of string values that are made-up words
 LOWERCASE = 0.08  # share of all-lowercase requests (the record's strings lowercased too)
-KEY_VALUE = 0.12  # share of "name: X; age: Y; city: Z" requests
-FIELDS = {"person": ("name", "age", "city"), "product": ("product", "color", "price"),
-          "employee": ("name", "role", "company", "years")}
-RANGES = {"age": (18, 90), "price": (5, 9999), "years": (1, 40)}
-
-# --- values ---------------------------------------------------------------------------------
-# "language: first names | surnames": thousands of combinations.
-NAMES = {lang: (firsts.split(), lasts.split())
-         for lang, firsts, lasts in (re.split(r"\s*[:|]\s*", line) for line in """
-es: José María Lucía Alejandro Sofía Carmen Javier Valentina Diego Camila | García Gonzalez Rodríguez López Pérez Torres
-pt: João Ana Luís Beatriz Tiago Mariana Gonçalo Inês Larissa Thiago | Silva Santos Oliveira Souza Costa Ferreira Rocha
-ng: Adebayo Chiamaka Oluwaseun Ngozi Emeka Funmilayo Chinedu Yetunde Obinna | Okafor Adeyemi Okonkwo Balogun Eze Nwosu
-vi: Linh Minh Thảo Hương Đức Quang Trang Bảo Tuấn Phương | Nguyễn Nguyen Tran Trần Pham Hoang Vu Dang Bui
-pl: Łukasz Katarzyna Piotr Agnieszka Tomasz Małgorzata Zofia Wojciech | Kowalski Nowak Wiśniewska Wójcik Dąbrowski
-hi: Aarav Diya Rohan Ananya Vikram Sneha Arjun Kavya Rahul Deepika | Sharma Patel Gupta Singh Reddy Iyer Nair Mehta
-ar: Ahmed Fatima Omar Layla Yusuf Amira Khalid Noor Hassan Zainab | Al-Sayed Haddad Mansour Khalil Nasser El-Amin Aziz
-fi: Aino Eero Onni Helmi Väinö Sanna Juha Kaisa Mikko Ilona | Virtanen Korhonen Mäkinen Nieminen Hämäläinen Järvinen
-ko: Ji-woo Min-jun Seo-yeon Do-hyun Hye-jin Jae-won Soo-ah Eun-ji Hyun-woo | Kim Lee Park Choi Jung Kang Yoon
-ja: Haruto Yui Sota Aoi Hina Takumi Sakura Kenji Yuki Daichi | Sato Suzuki Takahashi Tanaka Yamamoto Nakamura
-tr: Emre Elif Mehmet Zeynep Burak Ayşe Selin Çağrı Şeyma Oğuz Merve | Yılmaz Kaya Demir Şahin Çelik Öztürk Aydın
-ga: Aoife Siobhán Niamh Cian Oisín Saoirse Ciarán Róisín Eoin | O'Brien Murphy Kelly O'Sullivan Byrne Walsh Doyle
-de: Lukas Anna Jonas Lena Felix Marie Hannah Jürgen Sabine Matthias Jörg | Müller Schmidt Fischer Weber Becker Köhler
-sw: Amani Baraka Zawadi Juma Neema Imani Jabari Rehema Wanjiru Achieng | Mwangi Otieno Kamau Njoroge Mutua Kimani
-zh: Wei Fang Jing Lei Xiaoming Mei Hao Yan Jun Xiu Zhen | Wang Zhang Liu Chen Yang Huang Zhao Zhou
-en: Tom Sarah James Emily Michael Olivia Daniel Grace Ethan Chloe Zoë | Smith Johnson Taylor Wilson Clark Hughes
-fr: Élodie Chloé Théo Mathis Léa Hélène François Amélie Gaël | Dubois Lefèvre Moreau Laurent Girard Rousseau
-""".strip().splitlines())}
-SURNAME_FIRST = {"vi", "ko", "ja", "zh"}  # a third of the time: "Park Jae-won"
-
-CITIES = [item.strip() for item in """Lagos|Nairobi|Accra|Cairo|Casablanca|Addis Ababa|Dar es Salaam|Kampala|
-Dakar|Cape Town|Johannesburg|Kinshasa|Tunis|Kigali|Abuja|Port Harcourt|Luanda|Ho Chi Minh City|Hanoi|Tokyo|
-Osaka|Seoul|Busan|Beijing|Shanghai|Shenzhen|Mumbai|New Delhi|Bangalore|Kolkata|Karachi|Dhaka|Jakarta|Manila|
-Bangkok|Kuala Lumpur|Singapore|Istanbul|Ankara|Tehran|Riyadh|Dubai|Abu Dhabi|Tel Aviv|Amman|Beirut|Kathmandu|
-Taipei|Hong Kong|Ulaanbaatar|Paris|Berlin|Munich|Kraków|Warsaw|Helsinki|Dublin|Cork|Lisbon|Porto|Madrid|
-Barcelona|Rome|Milan|Vienna|Prague|Budapest|Zürich|Amsterdam|Brussels|Copenhagen|Oslo|Stockholm|Reykjavík|
-Athens|Bucharest|Kyiv|Edinburgh|Manchester|London|Frankfurt am Main|Saint Petersburg|New York City|
-Los Angeles|San Francisco|Salt Lake City|Mexico City|Guadalajara|Toronto|Montréal|Vancouver|Chicago|Houston|
-Buenos Aires|Rio de Janeiro|São Paulo|Bogotá|Medellín|Lima|Santiago|Quito|Montevideo|La Paz|Havana|
-Panama City|Kingston|Sydney|Melbourne|Auckland|Wellington|Perth|Brisbane|Suva|Port Moresby|Honolulu""".split("|")]
-COMPANIES = [item.strip() for item in """Google|Siemens|Samsung|Tata Consultancy Services|Banco Santander|
-Nokia|Toyota|Unilever|Safaricom|Infosys|Petrobras|Dangote Group|Mercado Libre|Deutsche Bahn|Accenture|
-Spotify|Shopify|Airbus|Nestlé|IKEA|Flutterwave|Grab|Ryanair|Mayo Clinic|Red Cross""".split("|")]
-COMPANY_WORDS = ("Blue Northwind Summit Pioneer Evergreen Bright Atlas Cedar Maple River Falcon "
-                 "Horizon Keystone Redwood Quantum Apex Lighthouse Golden Iron Oak Coastal").split()
-COMPANY_SUFFIXES = ("Logistics Labs Systems Solutions Bank Bakery Consulting Media Foods Analytics Health "
-                    "Motors Studios Partners Group Technologies Capital Energy Pharma Clinic").split()
-ROLES = [item.strip() for item in """nurse|software engineer|data analyst|teacher|chef|accountant|pharmacist|
-electrician|graphic designer|product manager|sales associate|lawyer|dentist|mechanic|civil engineer|
-architect|barista|cashier|marketing manager|HR manager|UX designer|data scientist|web developer|
-project manager|truck driver|paralegal|receptionist|security guard|research scientist|lab technician|
-financial analyst|customer support agent|head chef|social worker|physiotherapist|translator|librarian|CEO|
-CTO|operations director|warehouse supervisor|flight attendant|pilot|veterinarian|plumber|carpenter|
-photographer|editor|surgeon|midwife|cook|driver""".split("|")]
-SENIORITY = ["senior", "junior", "lead", "chief", "assistant", "principal"]
-COLORS = [item.strip() for item in """red|blue|green|black|white|silver|yellow|orange|purple|gray|grey|pink|
-beige|navy blue|rose gold|matte black|sky blue|forest green|dark gray|light blue|burgundy|teal|charcoal|
-ivory|olive green|space gray|midnight blue|cream|coral|turquoise|gold|bronze|lavender|mint green|crimson|
-brown|khaki|off-white|jet black|pearl white|cherry red|navy""".split("|")]
-COLOR_WORDS = {w for c in COLORS for w in c.split()}
-BRANDS = ("Nimbus Vortex Zenith Orion Kestrel Solaris Lumina Titan Nova Bosch Sony Philips Dyson "
-          "Xiaomi Lenovo Canon Garmin Logitech Anker Tefal Samsung Apple Nikon Brompton").split()
-MODELS = "Pro Mini Max Ultra Air Plus Lite GT SE One".split() + ["Pro Max", "Series 7"]
-NOUNS = [item.strip() for item in """headphones|earbuds|sneakers|running shoes|sunglasses|blender|laptop|
-phone|smartphone|bicycle|electric scooter|standing desk|office chair|coffee maker|espresso machine|backpack|
-wristwatch|smartwatch|tablet|camera|drone|air fryer|vacuum cleaner|toaster|kettle|desk lamp|gaming mouse|
-mechanical keyboard|monitor|printer|sofa|rice cooker|hair dryer|yoga mat|water bottle|tent|sleeping bag|
-guitar|suitcase|rain jacket|hoodie|helmet|router|speaker|projector|microwave""".split("|")]
-PLURAL = ("headphones", "earbuds", "sneakers", "shoes", "sunglasses")  # "are", "a pair of"
-
-def _made_up(rng, capitalized):
-    word = made_up_word(rng, capitalized)
-    return word if len(word) >= 4 else _made_up(rng, capitalized)  # short ones clash with "to", "so"
-
-
-def _name(rng):
-    if rng.random() < MADE_UP:
-        return " ".join(_made_up(rng, True) for _ in range(rng.choice([1, 2, 2])))
-    lang = rng.choice(sorted(NAMES))
-    (firsts, lasts), r = NAMES[lang], rng.random()
-    first, last = rng.choice(firsts), rng.choice(lasts)
-    if r < 0.15:
-        return first
-    if r < 0.85:
-        return f"{last} {first}" if lang in SURNAME_FIRST and rng.random() < 0.3 else f"{first} {last}"
-    double = lang in ("es", "pt")  # three words: two surnames (Spanish, Portuguese) or two given names
-    second = rng.choice([n for n in (lasts if double else firsts) if n not in (first, last)])
-    return f"{first} {last} {second}" if double else f"{first} {second} {last}"
-
-
-def _city(rng):
-    if rng.random() < MADE_UP:
-        return rng.choice(["{}", "{}", "{} City", "Port {}", "San {}", "New {}"]).format(_made_up(rng, True))
-    return rng.choice(CITIES)
-
-
-def _company(rng):
-    if rng.random() < MADE_UP:
-        return _made_up(rng, True) + rng.choice(["", "", " " + rng.choice(COMPANY_SUFFIXES)])
-    word, suffix, city = rng.choice(COMPANY_WORDS), rng.choice(COMPANY_SUFFIXES), rng.choice(CITIES)
-    surname, saint = rng.choice(rng.choice(list(NAMES.values()))[1]), rng.choice(["Luke", "Anne", "Jude", "Vincent"])
-    word2 = rng.choice([w for w in COMPANY_WORDS if w != word])
-    name = rng.choice([rng.choice(COMPANIES), f"{word} {suffix}", f"{word} {suffix}", f"{word} {word2} {suffix}",
-                       f"{surname} & Sons", f"{surname} & Partners", f"{surname} {suffix}", f"{city} Hospital",
-                       f"{city} General Hospital", f"St. {saint} Hospital", f"University of {city}"])
-    return name if len(name.split()) <= 3 else _company(rng)
-
-
-def _role(rng):
-    if rng.random() < MADE_UP:
-        return _made_up(rng, False) + rng.choice(["", "", " specialist", " technician", " officer"])
-    role = rng.choice(ROLES)
-    if rng.random() < 0.2 and len(role.split()) < 3 and not role.isupper():
-        role = f"{rng.choice(SENIORITY)} {role}"
-    return role
-
-
-def _product(rng):
-    """A noun ("standing desk"), or brand + noun, or brand + model code + noun."""
-    noun, r = _made_up(rng, False) if rng.random() < 0.1 else rng.choice(NOUNS), rng.random()
-    if r < 0.2:
-        return noun
-    brand = _made_up(rng, True) if rng.random() < 0.5 else rng.choice(BRANDS)
-    if r < 0.45:
-        return f"{brand} {noun}"
-    code = rng.choice([f"{rng.choice('XSZVGKMR')}{rng.randint(1, 20)}", f"{rng.randint(1, 9)}000",
-                       f"{rng.randint(1, 9)}00", str(rng.randint(2, 12)), rng.choice(MODELS)])
-    return f"{brand} {code} {noun}"
-
-
-def values(schema: str, rng: random.Random) -> dict:
-    """A random record of `schema`, fields in demo_data.SCHEMAS's order."""
-    ints = {f: rng.randint(*RANGES[f]) for f in FIELDS[schema] if f in RANGES}
-    if schema == "product" and rng.random() < 0.7:  # most prices are everyday ones
-        ints["price"] = rng.randint(5, 2000)
-    make = {"name": _name, "city": _city, "company": _company, "role": _role, "product": _product,
-            "color": lambda r: _made_up(r, False) if r.random() < MADE_UP / 2 else r.choice(COLORS)}
-    return {f: ints[f] if f in ints else make[f](rng) for f in FIELDS[schema]}
-
+KEY_VALUE, LIST = 0.1, 0.07  # shares of "name: X; age: Y" requests and of bare "X, 41, Lima" lists
+MAX_WORDS = {"product": 5, "color": 3, "city": 4, "name": 5, "company": 5, "role": 4}  # a phrase, not a clause
 
 # --- sentences ------------------------------------------------------------------------------
-# "[a|b]": one option; "<X>": MACROS[X]; "{field}": a value; "a~", "this~": an article fixed once
-# the next word is in ("an", "these", "a pair of"); {is}, {s}, {es}: agreement with plural products.
+# "[a|b]": one option; "<X>": MACROS[X]; "{field}": a value ("{name's}": its possessive); "a~",
+# "this~": an article fixed once the next word is in ("an", "these", "a pair of"); {is}, {s}, {es},
+# {has}, {it}: agreement with plural products; {she}, {her}, {sib}...: PRONOUNS. "+": a statement
+# that may follow "I heard that".
 MACROS = {
-    "<N>": "[|||||my friend |my neighbor |our client |my cousin |the new hire |our colleague ]{name}",
-    "<AGE>": "[is {age}|is {age}|is {age} years old|is {age} years of age|is aged {age}|just turned {age}|"
-             "turned {age} this year|is now {age}|is {age} now]",
-    "<CITY>": "[lives in|lives in|resides in|is based in|is living in|has lived in|is from|comes from|"
-              "moved to|settled in|makes {her} home in] {city}",
-    "<MONEY>": "[${price}|${price}|{price} dollars|{price} bucks|{price} USD|USD {price}|€{price}|"
-               "{price} euros|£{price}|{price}]",
-    "<PRICE>": "[cost{s}|sell{s} for|{is} priced at|go{es} for|retail{s} for|{is} listed at|"
-               "{is} on sale for|{is} available for|{is}] <MONEY>",
-    "<COLOR>": "[{is} {color}|{is} {color}|come{s} in {color}|{is} available in {color}|{is} colored {color}]",
-    "<DET>": "[a~|the|the|this~|our new|my|our|that~|your new|my new]",
+    "<N>": "[|||||||||||||my friend |my neighbor |our client |my cousin |the new hire |our colleague |my {sib} |"
+           "my {kin} |my coworker |our new tenant |my roommate |our customer |my classmate |{one} named |"
+           "{one} called |my buddy |our member |the applicant |my old friend ]{name}",
+    "<AGE>": "[is {age}|is {age}|is {age}|is {age} years old|is {age} years old|is {age} years of age|is aged {age}|"
+             "just turned {age}|turned {age} [this year|last month|in May|recently|a few weeks ago]|is now {age}|"
+             "is {age} now|turns {age} [next month|this year|soon|in June]|is {age} yrs old|is {age}yo|"
+             "is {age} y/o|'s {age}|is only {age}|is already {age}|is about to turn {age}|has just turned {age}|"
+             "celebrated {her} {age}{ord} birthday [last week|yesterday|in March]|is {age} this year]",
+    "<CITY>": "[lives in {city}|lives in {city}|lives in {city}|resides in {city}|is based in {city}|"
+              "is living in {city}|has lived in {city}|has been living in {city}|is from {city}|comes from {city}|"
+              "is originally from {city}|hails from {city}|moved to {city}|recently moved to {city}|"
+              "just moved to {city}|relocated to {city}|settled in {city}|makes {her} home in {city}|"
+              "currently lives in {city}|lives and works in {city}|grew up in and still lives in {city}|"
+              "is now based in {city}|calls {city} home|has made {city} {her} home|has {her} home in {city}|"
+              "is a~ {city} native|is a~ {city} local|is a resident of {city}|is living in {city} these days|"
+              "stays in {city}|rents a flat in {city}|has a place in {city}|lives over in {city}]",
+    "<AGEP>": "[, {age},|, {age},| ({age})|, aged {age},|, age {age},|, {age} years old,|, {age}yo,| ({age} y/o)|"
+              ", {age} years of age,|, who is {age},|, who just turned {age},|, a~ {age}-year-old,|, {age} yrs,]",
+    "<MONEY>": MONEY,
+    "<PRICE>": "[cost{s}|cost{s}|sell{s} for|{is} priced at|go{es} for|retail{s} for|{is} listed at|{is} on sale for|"
+               "{is} available for|{is}|{is}|{is} going for|{is} selling for|{is} marked down to|{is} reduced to|"
+               "now cost{s}|will set you back|run{s}|{is} offered at|can be had for|{is} yours for|{is} now only|"
+               "{is} just|{is} a steal at|{is} tagged at|only cost{s}|{is} worth] <MONEY>",
+    "<COLOR>": "[{is} {color}|{is} {color}|come{s} in {color}|{is} available in {color}|{is} colored {color}|"
+               "{is} in {color}|{is} finished in {color}|{is} the {color} one|{is} the {color} version|"
+               "{has} a {color} finish|{is} done in {color}|{is} {color} in color]",
+    "<DET>": "[a~|a~|the|the|the|this~|our new|my|our|that~|your new|my new|a brand new|one~|the new|this new|"
+             "{her}|my old|a used]",
     "<A>": "[a~|the|this~|one~]",
-    "<Y>": "{years} {yw}",
-    "<ROLE>": "a~ {role}",
-    "<TENURE>": "[has worked there for <Y>|has been there for <Y>|has been with them for <Y>|"
-                "has been there <Y>|joined <Y> ago|started there <Y> ago|has been there for <Y> now]",
-    "<AT>": "[at|at|at|with|for]",
-    "<SEP>": "[ -| –| /|;|,|,]",  # never just a space: "Ana Silva nurse" leaves the boundary a guess
+    "<Y>": "[<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|<YY>|about <YY>|a good <YY>|"
+           "nearly <YY>|over <YY>|almost <YY>|{years} long {yw}|{years}-plus {yw}]",
+    "<YY>": "{years} {yw}",
+    "<ROLE>": "[a~|a~|a~|a~|a~|our|the] {role}",
+    "<AT>": "[at|at|at|at|with|for|@]",
+    "<TENURE>": "[has worked there for <Y>|has been there for <Y>|has been with them for <Y>|has been there <Y>|"
+                "joined <Y> ago|started there <Y> ago|has been there for <Y> now|has been on the team for <Y>|"
+                "has <Y> there|has <Y> under {her} belt there|has put in <Y> there|has clocked <Y> there|"
+                "has been with the company for <Y>|is <Y> in|has been employed there for <Y>|"
+                "has been there for the past <Y>|has been doing it for <Y>|has stayed for <Y>|has held the job for <Y>|"
+                "has been in the role for <Y>|has been part of the team for <Y>|has been on staff for <Y>]",
+    "<TENC>": "[has worked at {company} for <Y>|has been with {company} for <Y>|has been at {company} <Y>|"
+              "joined {company} <Y> ago|started at {company} <Y> ago|has been with {company} since <Y>|"
+              "has <Y> at {company}|is a~ {years}-year veteran of {company}|has spent the past <Y> at {company}|"
+              "has been employed by {company} for <Y>|was hired by {company} <Y> ago|came to {company} <Y> ago|"
+              "is <Y> into {her} time at {company}|has been on {company's} payroll for <Y>]",
+    "<EMP>": "[is <ROLE> at {company}|is <ROLE> at {company}|is <ROLE> with {company}|works as <ROLE> at {company}|"
+             "works at {company} as <ROLE>|is employed by {company} as <ROLE>|is employed as <ROLE> at {company}|"
+             "is <ROLE> on the <TEAM> at {company}|works for {company} as <ROLE>|is {company's} {role}|"
+             "serves as <ROLE> at {company}|is <ROLE> over at {company}|works as <ROLE> for {company}|"
+             "holds the [position|title|role] of {role} at {company}|is currently <ROLE> at {company}|"
+             "is working as <ROLE> at {company}|is now <ROLE> at {company}|works <AT> {company} as <ROLE>]",
+    "<TEAM>": "[night shift|day shift|sales team|design team|support team|core team|team|night crew]",
+    "<H>": "[||||||| actually| apparently| probably|, I think,|, I believe,]",  # a hedge or filler word
+    "<SEP>": "[ -| –| /|;|,|,|,| {bar}]",  # never just a space: "Ana Silva nurse" leaves the boundary a guess
 }
 TEMPLATES = {"person": """
-<N> <AGE>[ and| and|, and {she}|. {She}] <CITY>
-<N> <CITY>[ and| and| and {she}|, and {she}|; {she}|. {She}] <AGE>
-<N>[, {age},| ({age})|, aged {age},|, age {age},|, {age} years old,|'s age is {age}, and {she}] <CITY>
-<N>, who [<AGE>, <CITY>|<CITY>, <AGE>]
-<N> is a~ {age}-year-old [from|in|living in|based in] {city}
-[A~ {age}-year-old [named|called]|One {age}-year-old named|{age}-year-old] {name} <CITY>
-In {city}[,|] <N> <AGE>
-[In {city} lives|Living in {city} is|{city} is home to|Everyone in {city} knows] <N>,[ who is| aged| age|] {age}
-[{city} is where <N> lives; {she}|<N> [from|of] {city}] <AGE>
-<N> [({age}, {city})|({city}) <AGE>]
-<N>[,|:] {age},[ from| of| in|] {city}
-[At|Aged|Age] {age}, <N> <CITY>
-[This is|Meet|Say hi to] <N>, [{age}, from|a~ {age}-year-old from|who is {age} and lives in] {city}
-<N><SEP> {age}<SEP> {city}
-[{city}-based|{city} resident] <N> <AGE>
-<N>, a {city} resident, <AGE>
-<N> <AGE>[,|] [living|based|now living] in {city}
-[<N> has been living in {city} and <AGE>|Born {age} years ago, <N> <CITY>]
++<N><H> <AGE>[ and| and|, and {she}|. {She}|; {she}| and also|, and| and {she}] <CITY>
++<N><H> <CITY>[ and| and| and {she}|, and {she}|; {she}|. {She}| - {she}| and {she}<H>] <AGE>
++<N><AGEP> <CITY>
++<N>, who [<AGE>, <CITY>|<CITY>, <AGE>]
++<N> is a~ {age}-year-old [from|in|living in|based in|who lives in|currently in|residing in] {city}
++[A~ {age}-year-old [named|called]|One {age}-year-old named|{age}-year-old|The {age}-year-old] {name} <CITY>
++[In|Over in|Back in|Here in] {city}[,|] <N> <AGE>
++[In {city} lives|Living in {city} is|{city} is home to|Everyone in {city} knows] <N>,[ who is| aged| age|] {age}
++[{city} is where <N> lives; {she}|<N> [from|of] {city}] <AGE>
+<N> [({age}, {city})|({city}) <AGE>|({age}) <CITY>|{lb}{age}, {city}{rb}|- {age}, {city}]
+<N>[,|:| -| –] {age},[ from| of| in| lives in| based in|] {city}
++[At|Aged|Age] {age}, <N> <CITY>
+[This is|Meet|Say hi to|Please welcome|Introducing] <N>, \
+[{age}, from|a~ {age}-year-old from|who is {age} and lives in|{age} years old, living in|aged {age}, based in] {city}
++[{city}-based|{city} resident|{city} native|{city} local] <N> <AGE>
++<N>, a~ [{city} resident|{city} native|{city} local], <AGE>
++<N> <AGE>[,|] [living|based|now living|residing|currently living] in {city}
++<N> has been living in {city} [for a while|for ages|since {she} was a kid|all {her} life] and <AGE>
++Born {age} years ago, <N> <CITY>
+[I'm|I am|My name is|Name's|Hi, I'm|Hello, my name is|Hey! I'm] {name}[,| and] [I'm {age}|I am {age} years old|{age} years old|\
+{age}] [and I live in|and I'm from|from|living in|and I'm based in|, based in|, living in] {city}
+[I'm|I am] {age} [and I live in|and I'm from|and live in|, living in] {city}[, my name is|. Name's|. I'm| - my name is] {name}
+{name} here[,|:| -] {age}[,| from| and living in| in] {city}
++My {sib}'s name is {name}; {she} <AGE> and <CITY>
+[Did you know|Is it true|Have you heard] that <N> <AGE> and <CITY>?
+How old is <N>? {She} <AGE> and <CITY>
+Where does <N> live? [In {city}|{city}][, and {she} <AGE>|; {she}'s {age}]
++<N>, {age}, [from|of|in] {city}, <PRED>
+[Please add|Add|Log|Register|Save|Create a profile for] <N>, {age}, [from|of|in|living in] {city}
+[Can you add|Could you register|Can you save] <N> ({age}) from {city}?
+[New member|New contact|Guest|Passenger|Applicant|Resident|Volunteer|Customer|Tenant]: {name}, {age}, {city}
+{age}[,| -] {name}[,| -| from] {city}
++{age}-year-old {name} [from|of|in] {city} <PRED>
+{age} y/o {name} [from|in|living in] {city}[ <PRED>|]
++<N> <CITY>. [{She} <AGE>|Age: {age}|Age {age}|{age} years old]
++[<N>'s home is in {city}|Home for <N> is {city}|<N>'s hometown is {city}|<N>'s city is {city}][, and|;] {she} <AGE>
++<N>'s age is {age}[ and {her} city is {city}|, and {she} <CITY>|; city: {city}]
++[Turning {age} [this year|next month]|Having just turned {age}|Now {age}], <N> <CITY>
++After years abroad, <N> moved back to {city}; {she} <AGE>
++<N> <AGE>[. {Her}|; {her}] [home is in|family lives in|new place is in|address is in] {city}
++[{age} years old and living in {city},|Just {age} and already in {city},|{age} and new to {city},] <N> <PRED>
++<N> lives[|, I think,| apparently|, apparently,] in {city} and is[| probably| around| about|, I believe,] {age}
++<N> <PRED> - {she}<H> <AGE> and <CITY>
 """, "product": """
-<DET> {color} {product} <PRICE>
-<DET> {product} [<COLOR> and <PRICE>|<PRICE> and <COLOR>]
-{product}[ in {color}[,| -|:| for]|, {color},| ({color})[ -|:|,| for]] <MONEY>
++<DET> {color} {product} <PRICE>
++<DET> {product} [<COLOR> and <PRICE>|<PRICE> and <COLOR>|<COLOR>, <PRICE>|<COLOR>; {it} <PRICE>]
+{product}[ in {color}[,| -|:| for| at| –]|, {color},| ({color})[ -|:|,| for| –]] <MONEY>
 {product} ({color}, <MONEY>)
-{color} {product}[ -|:|,| for| at| only| on sale for| available for| in stock for] <MONEY>
-<MONEY> [for|gets you] <A> {color} {product}
-[For|For just|For only|Only] <MONEY>[,|] [get|grab|you get] <A> {product} in {color}
-[I bought <A>|I ordered <A>|I got <A>|I'm selling my|I'm selling <A>|Selling <A>] {color} {product} for <MONEY>
-[Selling|For sale|Now selling|Just listed|New arrival]: {color} {product}, <MONEY>
-[Check out|Introducing|Meet] <DET> {product}: {color}, <MONEY>
-<DET> {product} [come{s}|{is} available] in {color} [and|but] cost{s} <MONEY>
-The {color} version of the {product} costs <MONEY>
-[[Price|Cost] of the {color} {product}:|The price of <DET> {color} {product} is] <MONEY>
-<DET> {product} [in {color} <PRICE>|<PRICE> in {color}|{is} now <MONEY> in {color}]
-{product}<SEP> {color}<SEP> <MONEY>
-<DET> {product}, [[which|that] {is} {color}, <PRICE>|priced at <MONEY>, {is} {color}]
-<DET> {product} [({color}) <PRICE>|<PRICE> (color: {color})]
-<MONEY>: {color} {product}
-[We sell <DET>|Get <DET>|Buy <DET>|Just listed: <A>|New arrival: <A>] {product} in {color} [for|at] <MONEY>
+{color} {product}[ -|:|,| for| at| only| on sale for| available for| in stock for| –| now| just| @] <MONEY>
+<MONEY> [for|gets you|buys you|will get you] <A> {color} {product}
+[For|For just|For only|Only|Just] <MONEY>[,|] [get|grab|you get|you can get|take home] <A> {product} in {color}
+[I bought|I ordered|I got|I'm selling|Selling|We just got|My {kin} sold me|I picked up] [<A>|my] {color} {product} for <MONEY>
+I paid <MONEY> for [<A>|my] {color} {product}
+[Selling|For sale|Now selling|Just listed|New arrival|FOR SALE|WTS|Available|In stock]: {color} {product}, \
+<MONEY>[ obo| firm| or best offer| negotiable|]
+[Check out|Introducing|Meet|Say hello to] <DET> {product}: {color}, <MONEY>
++<DET> {product} [come{s}|{is} available] in {color} [and|but] cost{s} <MONEY>
++The {color} [version|edition|model|variant] of the {product} [costs|is|sells for|goes for] <MONEY>
+[[Price|Cost] of the {color} {product}:|The price of <DET> {color} {product} is|The {color} {product}'s price is] <MONEY>
++<DET> {product} [in {color} <PRICE>|<PRICE> in {color}|{is} now <MONEY> in {color}]
++<DET> {product}, [[which|that] {is} {color}, <PRICE>|priced at <MONEY>, {is} {color}]
++<DET> {product} [({color}) <PRICE>|<PRICE> (color: {color})|<PRICE> (colour: {color})]
+<MONEY>[:| -| –| for the| for a~] {color} {product}
+[We sell <DET>|Get <DET>|Buy <DET>|Just listed: <A>|New arrival: <A>|Order <DET>] {product} in {color} [for|at] <MONEY>
+[How much is|What's the price of] the {product} in {color}? [It says|Looks like|The tag says|I think it's|Apparently] <MONEY>
+Is the {color} {product} really <MONEY>?
+[Anyone want|Who wants|Interested in] <A> {color} {product}? [Only |Just |Asking |It's |]<MONEY>
+Asking <MONEY> for my {color} {product}
+{product}<SEP> {color}<SEP> [asking |price |now |only |]<MONEY>
+[I spotted|I saw|We found] <A> {product} in {color} [at the mall|online|at the market|in town|at a garage sale] for <MONEY>
+[Great deal|Good price|Not bad|Steal|Bargain]: <A> {color} {product} for <MONEY>
++<DET> {product} in [{color}|a~ {color} finish|the {color} colorway] [run{s}|cost{s}|{is}|will set you back] <MONEY>
++<DET> {color} {product}, <MONEY>, <PRED>
++The {product} I want [come{s}|{is}] in {color} and [cost{s}|{is}] <MONEY>
++[My {kin}|My {sib}|My boss] [just bought|got me|ordered] <A> {color} {product} [for|at] <MONEY>
+<MONEY>? For <A> {color} {product}? [Sounds fair|Not bad|Deal|Wow]
++You can get <A> {product} in {color} for <MONEY>[ these days| right now| at most shops|]
++<DET> {product} <PRICE>[,| -| and] {it} {is} {color}
++Only <MONEY>! <DET> {product} in {color}
++<DET> {product} [<COLOR>|{is} {color}]<H>, and {it}<H> <PRICE>
++{product} in {color}, now <MONEY>[ at the outlet| online| in store|]
+[Item|Listing|Product|Offer]: {color} {product} [at|for|-] <MONEY>
 """, "employee": """
-<N> is <ROLE> <AT> {company} and <TENURE>
-<N> has [been <ROLE> <AT> {company}|worked [at|for] {company} as <ROLE>] for <Y>
-<N> works [as <ROLE> <AT> {company}|at {company} as <ROLE>][,| and] <TENURE>
-<N>, <ROLE> at {company}[, <TENURE>| for <Y>]
-<N> [({role}, {company}, <Y>)|({role} at {company})[ -| –|,] <Y>]
-At {company}, <N> [is <ROLE> and <TENURE>|works as <ROLE> and <TENURE>|has been <ROLE> for <Y>]
-For [the past |]<Y>, <N> has been <ROLE> at {company}
-<Y> at {company}: <N>, {role}
-[After <Y> at {company}, <N> is still <ROLE> there|<Y> in, <N> is still <ROLE> at {company}]
-<N> joined {company} [<Y> ago as <ROLE>|as <ROLE> <Y> ago]
-[{company} hired <N>|<N> was hired by {company}] as <ROLE> <Y> ago
-{company} has employed <N> as <ROLE> for <Y>
-<N> has spent <Y> at {company} as <ROLE>
-<N> is <ROLE> [with <Y> at {company}|who has worked at {company} for <Y>]
-[Our|The|Their] {role}, {name}, has [been with|been at|worked at] {company} for <Y>
-[{company}'s {role} {name}|<N> is {company}'s {role} and] <TENURE>
++<N><H> <EMP> and <TENURE>
++<N> has [been <ROLE> <AT> {company}|worked [at|for] {company} as <ROLE>|been working as <ROLE> at {company}|\
+served as <ROLE> at {company}] for [|||the past |the last ]<Y>[ now|]
++<N> works [as <ROLE> <AT> {company}|at {company} as <ROLE>][,| and] <TENURE>
+<N>, <ROLE> at {company}[, <TENURE>| for <Y>| (<Y>)| since <Y>]
+<N> [({role}, {company}, <Y>)|({role} at {company})[ -| –|,] <Y>|({role}) <TENC>]
++At {company}, <N> [is <ROLE> and <TENURE>|works as <ROLE> and <TENURE>|has been <ROLE> for <Y>]
++For [the past |the last |over |]<Y>, <N> has been <ROLE> at {company}
+<Y> at {company}[:|,| -] <N>, {role}
++[After <Y> at {company}, <N> is still <ROLE> there|<Y> [in|later], <N> is still <ROLE> at {company}]
++<N> joined {company} [<Y> ago as <ROLE>|as <ROLE> <Y> ago]
++[{company} hired <N>|<N> was hired by {company}|<N> got hired at {company}] as <ROLE> <Y> ago
++{company} has employed <N> as <ROLE> for <Y>
++<N> has spent <Y> at {company} as <ROLE>
++<N> is <ROLE> [with <Y> at {company}|who has worked at {company} for <Y>|with <Y> of experience at {company}]
++[Our|The|Their] {role}, {name}, has [been with|been at|worked at] {company} for <Y>
++[{company's} {role}, {name},|<N> is {company's} {role} and] <TENURE>
 <N>: {role} at {company}, <Y>
 <N><SEP> {role}<SEP> {company}<SEP> <Y>
-<N> [works for {company}; {she} is <ROLE> with <Y> there|has <Y> at {company}, where {she} works as <ROLE>]
-<N> has been working as <ROLE> at {company} for <Y>[ now|]
-<N>, who [works at {company} as <ROLE>, <TENURE>|has been at {company} for <Y>, is <ROLE>]
-<N> [is <ROLE>. {She} has been at {company} for <Y>|works at {company}. {She} is <ROLE> and <TENURE>]
++<N> [works for {company}; {she} is <ROLE> with <Y> there|has <Y> at {company}, where {she} works as <ROLE>]
++<N>, who [works at {company} as <ROLE>, <TENURE>|has been at {company} for <Y>, is <ROLE>]
++<N> [is <ROLE>. {She} has been at {company} for <Y>|works at {company}. {She} is <ROLE> and <TENURE>]
+[I'm|I am|My name is|Hi, I'm] {name}[,|.|;] [I've been|I have been|I'm] <ROLE> at {company} [for <Y>|since <Y>]
+[I work|I've worked|I have worked] as <ROLE> at {company}[ for <Y>|, <Y> now|, going on <Y>]\
+[; my name is|. Name's|. I'm| -] {name}
+{name} here[,| -] {role} at {company}[,| for| since] <Y>
+Congrats to <N> on <Y> [as <ROLE> at {company}|at {company} as <ROLE>]!
+[Please welcome|Say hi to|Meet] <N>, <ROLE> with <Y> at {company}
+[Please add|Add|Log|Register] <N> [as|to the directory:|-] <ROLE> at {company}, <Y>
+[Employee|Staff member|Team member|New hire|Contractor|Staff]: {name}, {role}, {company}, <Y>
++<N>, a~ {years}-year veteran of {company}, [is|works as] <ROLE> there
++<N>[ works| is working| has been working] at {company} as <ROLE> since <Y>
++<N> [has clocked|has put in|has logged] <Y> at {company} as <ROLE>
++[In|Over] {her} <Y> at {company}, <N> has [been|worked as] <ROLE>
+<Y> ago, <N> [joined|started at] {company} as <ROLE>
++<N> [started|began] [{her} career|working] at {company} <Y> ago as <ROLE>[ and never left| and is still there|]
++<N> is <ROLE> on the <TEAM> at {company}[,| and] <TENURE>
+{role} <AT> {company} for <Y>: <N>
+<N> – {role}, {company} ([since <Y>|<Y>|<Y> so far|<Y> and counting])
++<N> worked as <ROLE> at {company} for <Y>[ before retiring| before moving on|]
+How long has <N> been at {company}? <Y>[, as <ROLE>| - {she} is <ROLE> there]
+<N> is <ROLE>. [Employer|Company]: {company}. [Tenure|Years]: <Y>
++{name}, {role}, [has been|is] with {company} [for <Y>|<Y> now]
++<N> <EMP>[,| -| –] <Y>[ now| so far| and counting|]
++<N>, <ROLE> at {company} for <Y>, <PRED>
++<N> <EMP>; <Y> [there|so far|now|and counting]
 """}
 TEMPLATES = {schema: text.strip().splitlines() for schema, text in TEMPLATES.items()}
-KEYS = {"name": "name|name|full name|Name", "age": "age|age|Age", "city": "city|city|location|hometown",
-        "product": "product|item|Product", "color": "color|colour|color|Color", "price": "price|price|cost|Price",
-        "role": "role|position|title|job", "years": "years|years|tenure", "company": "company|employer|Company"}
-KEY_VALUES = {"price": "<MONEY>", "years": "[{years}|{years}|<Y>]"}
-# Extra words that name no value and hold no digit: they never change the answer.
-CONTEXT = {schema: line.split("|") for schema, line in zip(FIELDS, [
-    "and loves hiking|with {her} two cats|and works from home|and plays the guitar|and speaks three languages|"
-    "and is learning to code|and volunteers on weekends|and loves cooking|and has a big garden",
-    "with free shipping|and it ships worldwide|in great condition|barely used|brand new in the box|"
-    "with a one-year warranty|and it makes a great gift|while stocks last|plus shipping|tax included",
-    "and loves the team|and mentors new hires|and enjoys the work|and works remotely|and is up for a promotion|"
-    "and leads the night shift|and rarely takes a day off"])}
-PREFIXES = ["so basically", "fun fact:", "by the way,", "just so you know,", "FYI:", "FYI,", "update:",
-            "note:", "quick note:", "hey,", "ok so", "okay,", "for the record,", "heads up:", "btw", "so",
-            "well,", "news:", "reminder:", "hi!", "hello,", "to be clear,", "honestly,"]
-SUFFIXES = [", thanks", " lol", ", btw", " :)", ", I think", ", as far as I know"]
-PRONOUNS = [{"she": "she", "She": "She", "her": "her"}, {"she": "he", "She": "He", "her": "his"}]
+UNITS = {"age": "[{age}|{age}|{age}|{age} years|{age}y|{age} yrs|{age} y/o]", "price": "<MONEY>",
+         "years": "[{years}|{years}|<Y>|<Y>|{years}y|{years}+ years]"}
 
 
 def _expand(rng, text):
@@ -271,14 +227,18 @@ def _expand(rng, text):
     return text
 
 
-def _key_value(rng, schema):
-    """'name: X; age: Y; city: Z', in any order."""
+def _fields(rng, schema, keyed):
+    """'name: X; age: 41; city: Y' (keyed) or 'X, 41, Y': in any order, mostly the schema's."""
     fields = list(FIELDS[schema])
-    if rng.random() < 0.5:
+    if rng.random() < (0.5 if keyed else 0.3):
         rng.shuffle(fields)
-    sep, colon = rng.choice(["; ", ", ", " | ", " / ", ". "]), rng.choice([": ", ": ", ": ", " = ", " - "])
-    pairs = [rng.choice(KEYS[f].split("|")) + colon + KEY_VALUES.get(f, "{%s}" % f) for f in fields]
-    return _expand(rng, rng.choice(["", "", "", "record: ", "new entry: ", "details: "]) + sep.join(pairs))
+    colon = rng.choice([": ", ": ", ": ", ": ", " = ", " - ", " – ", ":", "=", " -> "])
+    items = [(rng.choice(KEYS[f].split("|")) + colon if keyed else "") + UNITS.get(f, "{%s}" % f) for f in fields]
+    sep = rng.choice(["; ", ", ", " | ", " / ", ". ", " - ", " · ", " • "] if keyed else
+                     [", ", ", ", ", ", ",", " | ", " / ", " - ", " – ", "; "])
+    lead = rng.choice(["", "", "", "", "", "record: ", "new entry: ", "details: ", "profile - ", "row: ",
+                       "form data: "] if keyed else ["", "", "", "", "New: ", "Add: ", "Log: ", "Entry - "])
+    return _expand(rng, lead + sep.join(items))
 
 
 def _article(m, plural):
@@ -291,36 +251,73 @@ def _article(m, plural):
         new = "an" if next_word[0] in "AEFHILMNORSX" else "a"
     else:  # vowel sounds, and "an 18-year-old", "an 80-year-old"
         vowel = next_word[0].lower() in "aeiou8" or next_word.startswith(("11-", "18-"))
-        new = "an" if vowel and not next_word.lower().startswith(("uni", "use", "one")) else "a"
+        new = "an" if vowel and not next_word.lower().startswith(("uni", "use", "one", "eu")) else "a"
     return (new[0].upper() + new[1:] if word[0].isupper() else new) + " " + next_word
+
+
+def _lower_first(text):
+    first = text.split()[0]  # keep "I", "I'm", "USD", "FYI"
+    return text if not text[0].isalpha() or first.startswith("I'") or first.isupper() else text[0].lower() + text[1:]
+
+
+def _upper_first(text):
+    return text[0].upper() + text[1:] if text[:1].isalpha() else text
+
+
+CONTRACTIONS = [(r"\b([Ss]he|[Hh]e|[Ii]t|[Tt]hat|[Ww]ho) is\b", r"\1's"), (r"\bI am\b", "I'm"),
+                (r"\b([Ss]he|[Hh]e|[Ww]ho) has (been|worked|lived|spent)\b", r"\1's \2"),
+                (r"\bI have (been|worked)\b", r"I've \1"), (r"\b([Tt]hey) are\b", r"\1're")]
 
 
 def _sentence(rng, schema, record):
     # a made-up color right before the product would leave the boundary between them a guess
     ambiguous = schema == "product" and record["color"] not in COLORS
-    if rng.random() < KEY_VALUE:
-        skeleton = _key_value(rng, schema)
+    statement, fields, r = False, True, rng.random()
+    if r < KEY_VALUE + LIST:
+        skeleton = _fields(rng, schema, keyed=r < KEY_VALUE)
     else:
-        skeleton = _expand(rng, rng.choice([t for t in TEMPLATES[schema] if not (ambiguous and "{color} {product}" in t)]))
-        if rng.random() < 0.2 and not skeleton.endswith(")"):  # "(41, Lima) and loves hiking": no
+        fields = False
+        line = rng.choice([t for t in TEMPLATES[schema] if not (ambiguous and "{color} {product}" in t)])
+        statement, line = line.startswith("+"), line.lstrip("+")
+        skeleton = _expand(rng, line.replace("<PRED>", "[" + "|".join(PREDICATES[schema]) + "]"))
+        if statement and rng.random() < 0.2 and skeleton[-1] not in ")?!":
             skeleton += rng.choice([" ", ", "]) + rng.choice(CONTEXT[schema])
-    text_first = skeleton[0].isalpha() and not skeleton.split()[0].isupper()  # may change case: not "I", "USD"
-    if rng.random() < 0.25:  # a filler prefix; the sentence then goes on in lowercase, mostly
-        prefix = rng.choice(PREFIXES)
-        prefix = prefix[0].upper() + prefix[1:] if rng.random() < 0.6 else prefix
-        if text_first and (prefix[-1] != ":" or rng.random() < 0.5):
-            skeleton = skeleton[0].lower() + skeleton[1:]
+    closed, r = skeleton[-1] in "?!", rng.random()
+    if r < 0.1 and not closed:  # a request around the facts: "please log this: ...", "can you record that ...?"
+        # "I heard that @" takes a statement, "pls add @" a statement or a list, "log this: @" anything
+        frames = [f for f in FRAMES if statement or re.search(r"(^|: |\? )@" if not fields else r"^((?!that @|me @).)*$", f)]
+        before, after = rng.choice(frames).split("@")
+        if before and not before.endswith((": ", "? ")):
+            skeleton = _lower_first(skeleton)
+        skeleton = (_upper_first(before) if rng.random() < 0.7 else before) + skeleton + after
+        closed = closed or after[-1:] in ".?!)"
+    elif r < 0.35:  # a filler or a clause before; the sentence then goes on in lowercase, mostly
+        prefix = rng.choice(OPENERS[schema] if statement and rng.random() < 0.5 else PREFIXES)
+        prefix = _upper_first(prefix) if rng.random() < 0.6 else prefix
+        if prefix[-1] not in ":-" or rng.random() < 0.5:
+            skeleton = _lower_first(skeleton)
         skeleton = f"{prefix} {skeleton}"
-    elif text_first:
-        skeleton = (skeleton[0].upper() if rng.random() < 0.9 else skeleton[0].lower()) + skeleton[1:]
-    if rng.random() < 0.08:
-        skeleton += rng.choice(SUFFIXES)
-    skeleton += rng.choice(["", "", "", ".", ".", ".", ".", "!", "..."])
-    plural = record.get("product", "").endswith(PLURAL)
+    else:
+        skeleton = _upper_first(skeleton) if rng.random() < 0.9 else _lower_first(skeleton)
+    if not closed:
+        if rng.random() < 0.08:
+            skeleton += rng.choice(SUFFIXES)
+        skeleton += rng.choice(["", "", "", ".", ".", ".", ".", "!", "..."])
+    plural, age = record.get("product", "").endswith(PLURAL), record.get("age", 0)
     grammar = {"is": "are" if plural else "is", "s": "" if plural else "s", "es": "" if plural else "es",
-               "yw": "year" if record.get("years") == 1 else "years", **rng.choice(PRONOUNS)}
-    text = skeleton.format(**record, **grammar)
-    return re.sub(r"\b(a|A|this|This|that|That|one|One)~ (\S+)", lambda m: _article(m, plural), text)
+               "has": "have" if plural else "has", "it": "they" if plural else "it", "lb": "[", "rb": "]", "bar": "|",
+               "yw": rng.choice(["years"] * 7 + ["yrs"]) if record.get("years") != 1 else "year",
+               "ord": "th" if 10 <= age % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(age % 10, "th"),
+               **rng.choice(PRONOUNS)}
+    possessives = {f"{f}'s": record[f] + ("'" if record[f].endswith("s") else "'s") for f in ("name", "company")
+                   if f in record}
+    text = skeleton.format(**record, **grammar, **possessives)
+    text = re.sub(r"\b(a|A|this|This|that|That|one|One)~ (\S+)", lambda m: _article(m, plural), text)
+    if rng.random() < 0.3:
+        for pattern, contracted in CONTRACTIONS:
+            text = re.sub(pattern, contracted, text)
+    text = re.sub(r" '(s|m|re|ve)\b", r"'\1", text.replace(" ,", ","))  # "Ana 's 41" -> "Ana's 41"
+    return re.sub(r"(?<!\.)\.\.(?!\.)", ".", text)  # "Acme Inc.." -> "Acme Inc."
 
 
 def free_dataset(num: int, seed: int) -> list[dict]:
@@ -361,25 +358,28 @@ def validate(example: dict) -> list[str]:
     if schema not in FIELDS or list(record) != list(FIELDS[schema]):
         return [f"schema {schema!r} with fields {list(record)}"]
     problems = [] if example.get("answer") == json.dumps(record) else ["answer is not json.dumps(record)"]
-    if request != " ".join(request.split()) or not 4 <= len(request.split()) <= 35:
+    if request != " ".join(request.split()) or len(request.split()) > 35:
         problems.append(f"stray whitespace or {len(request.split())} words")
+    if request == request.lower() and any(isinstance(v, str) and v != v.lower() for v in record.values()):
+        problems.append("an all-lowercase request with a value in capitals")
     for field, value in record.items():
         if field in RANGES:
             if type(value) is not int or not RANGES[field][0] <= value <= RANGES[field][1]:
                 problems.append(f"{field}={value!r} is not an int in range")
             continue
         words = value.lower().split() if isinstance(value, str) else []
-        if not 1 <= len(words) <= {"product": 5, "color": 2, "city": 4}.get(field, 3) or value != " ".join(value.split()):
+        if not 1 <= len(words) <= MAX_WORDS[field] or value != " ".join(value.split()):
             problems.append(f"{field}={value!r} is not a string of a few words")
             continue
         if (n := len(_spans(value, request))) != 1:
             problems.append(f"{field} {value!r} appears {n} times")
         if field != "product" and re.search(r"\d", value):
             problems.append(f"{field} {value!r} has a digit")
-        if field in ("role", "product") and words[0] in ("a", "an", "the", "our", "my", "this", "these", "new"):
+        if field in ("role", "product") and words[0] in ("a", "an", "the", "our", "my", "your", "his", "her",
+                                                          "this", "these", "new"):
             problems.append(f"{field} {value!r} starts with an article")
-        if field == "product" and COLOR_WORDS & set(words):
-            problems.append(f"product {value!r} has a color word")
+        if field == "product" and (COLOR_RE.search(value.lower()) or "'s" in value):
+            problems.append(f"product {value!r} has a color word or a possessive")
     number, rest = str(record[next(f for f in record if f in RANGES)]), request
     if schema == "product" and (spans := _spans(record["product"], request)):
         rest = request[:spans[0][0]] + " " + request[spans[0][1]:]
@@ -397,4 +397,3 @@ def shape(example: dict) -> str:
         else:
             text = re.sub(r"(?<!\w)" + re.escape(value) + r"(?!\w)", f"<{field}>", text)
     return text
-

@@ -1,5 +1,5 @@
 """Self-check and stats of the freely phrased training generator (benchmarks/demo_phrasing.py):
-validate() over 20000 examples, sentence shapes per schema, where the integer sits, word counts,
+validate() over 20000 examples, sentence shapes and words per schema, where the integer sits, word counts,
 lowercase and made-up shares, the time for 40000 examples, and 30 samples. Seconds, CPU only:
     ./dev python scripts/demo_phrasing_stats.py
 """
@@ -10,6 +10,7 @@ import re
 import time
 
 from tpu_models.benchmarks import demo_phrasing as dp
+from tpu_models.benchmarks import demo_phrasing_values as dv
 
 
 def number_position(example: dict) -> float:
@@ -21,14 +22,14 @@ def number_position(example: dict) -> float:
 
 def made_up_share(examples: list[dict]) -> float:
     """Share of string values with a word no list holds (a made-up word)."""
-    lists = [*dp.CITIES, *dp.COMPANIES, *dp.COMPANY_WORDS, *dp.COMPANY_SUFFIXES, *dp.ROLES,
-             *dp.SENIORITY, *dp.COLORS, *dp.BRANDS, *dp.MODELS, *dp.NOUNS,
-             *(name for firsts, lasts in dp.NAMES.values() for name in firsts + lasts),
-             "City Port San New & Sons Partners St. Mary Luke Anne University of General Hospital",
-             "specialist technician officer"]
-    known = {word.lower() for item in lists for word in item.split()}
+    lists = [*dv.CITIES, *dv.COMPANIES, *dv.COMPANY_WORDS, *dv.COMPANY_SUFFIXES, *dv.LEGAL, *dv.SAINTS,
+             *dv.ROLES, *dv.SENIORITY, *dv.DEPARTMENTS, *dv.COLORS, *dv.BRANDS, *dv.LINES, *dv.MODELS, *dv.NOUNS,
+             *(name for firsts, lasts in dv.NAMES.values() for name in firsts + lasts),
+             *(re.sub(r"\{\w*\}", " ", t) for t in dv.INSTITUTIONS + dv.DEPT_ROLES + dv.MADE_UP_CITY),
+             "specialist technician officer operator manager Gen"]
+    known = {word.lower() for item in lists for word in re.split(r"[ -]", item)}
     strings = [v for e in examples for v in e["record"].values() if isinstance(v, str)]
-    return sum(any(w.lower() not in known and not re.fullmatch(r"[a-z]?\d+", w.lower()) for w in v.split())
+    return sum(any(w.lower() not in known and not re.fullmatch(r"[a-z]*-?\d+", w.lower()) for w in re.split(r"[ -]", v))
                for v in strings) / len(strings)
 
 
@@ -44,8 +45,11 @@ def main():
         shapes = collections.Counter(dp.shape(e) for e in group)
         core = {re.sub(r"[^a-z<>]+", " ", s.lower()).strip() for s in shapes}  # case and punctuation aside
         fifths = collections.Counter(min(4, int(number_position(e) * 5)) for e in group)
-        print(f"{schema}: {len(group)} examples, {len(shapes)} shapes ({len(core)} ignoring case and "
-              f"punctuation; {len({dp.shape(e) for e in small if e['schema'] == schema})} in free_dataset(3000)); "
+        words = {w for s in shapes for w in re.findall(r"[a-z']+", re.sub(r"<\w+>", " ", s).lower())}
+        print(f"{schema}: {len(group)} examples, {len(dp.TEMPLATES[schema])} templates, {len(shapes)} shapes "
+              f"({len(core)} ignoring case and punctuation; "
+              f"{len({dp.shape(e) for e in small if e['schema'] == schema})} in free_dataset(3000)), "
+              f"{len(words)} distinct words outside the values; "
               f"integer by fifths of the sentence {[fifths[i] for i in range(5)]}; "
               f"most common shape {shapes.most_common(1)[0]}")
     words = collections.Counter(len(e["request"].split()) // 5 * 5 for e in examples)

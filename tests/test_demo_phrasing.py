@@ -1,15 +1,21 @@
 """The freely phrased training generator (benchmarks/demo_phrasing.py): every example keeps the
-conventions, the output is seeded, and the phrasing varies. No model; well under a second."""
+conventions, the output is seeded, and the phrasing varies. No model; about a second."""
 
 import collections
 import json
+import re
 
 import pytest
 
 from tpu_models.benchmarks.demo_phrasing import FIELDS, RANGES, free_dataset, shape, validate
 
 NUM = 3000
-MIN_SHAPES = 720  # distinct sentence shapes per schema in free_dataset(3000): ~900-960 measured
+# Per schema in free_dataset(3000) (~1000 examples each), seeds 0-2 measured: 947-1046 distinct
+# shapes, 284-327 distinct words outside the values (the generator before: 870-1004 and 105-125).
+MIN_SHAPES, MIN_WORDS = 880, 240
+# The issue's examples: they are in the frozen evaluation set, so training never shows them.
+ISSUE_VALUES = ["St. Mary Hospital", "Aurora X2", "Zorbix 3000", "Kitchenly", "Maria Gonzalez", "Priya", "Initech",
+                "Globex", "Hooli"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +50,29 @@ def test_validate_finds_broken_examples():
         assert validate(example), example["request"]
 
 
+def test_validate_allows_digits_only_inside_the_product():
+    record = {"product": "Zenith X5 Pro kettle", "color": "navy blue", "price": 49}
+    good = {"schema": "product", "answer": json.dumps(record), "record": record,
+            "request": "Selling my navy blue Zenith X5 Pro kettle for $49, barely used"}
+    assert validate(good) == []
+
+    def with_record(**change):
+        new = {**record, **change}
+        return {**good, "record": new, "answer": json.dumps(new)}
+    broken = [
+        {**good, "request": good["request"] + " since 2023"},  # a digit outside the product
+        {**good, "request": good["request"].replace("X5", "X49")},  # the price inside the model code
+        with_record(product="navy blue Zenith X5 Pro kettle", color="navy"),  # a color in the product
+        with_record(product="my Zenith X5 Pro kettle"),  # a possessive
+        {**good, "request": good["request"].lower()},  # all lowercase, values in capitals
+    ]
+    for example in broken:
+        assert validate(example), example["request"]
+    lowered = {k: v.lower() if isinstance(v, str) else v for k, v in record.items()}
+    assert validate({**good, "request": good["request"].lower(), "record": lowered,
+                     "answer": json.dumps(lowered)}) == []
+
+
 def test_seeded(examples):
     assert free_dataset(NUM, seed=0) == examples
     other = free_dataset(NUM, seed=1)
@@ -60,7 +89,33 @@ def test_schemas_in_about_equal_shares(examples):
 def test_many_sentence_shapes_per_schema(examples):
     for schema in FIELDS:
         shapes = {shape(e) for e in examples if e["schema"] == schema}
-        assert len(shapes) >= MIN_SHAPES, (schema, len(shapes))
+        words = {w for s in shapes for w in re.findall(r"[a-z']+", re.sub(r"<\w+>", " ", s).lower())}
+        assert len(shapes) >= MIN_SHAPES and len(words) >= MIN_WORDS, (schema, len(shapes), len(words))
+
+
+def test_many_forms_of_request(examples):
+    """Questions, requests, first person, key: value lines, bare lists, the integer first."""
+    shapes = [shape(e) for e in examples]
+    forms = {"question": r"\?", "request": r"(?i)\b(please|can you|could you|add|log|save)\b",
+             "first person": r"\b(I'm|I am|My name|I work|I've)\b", "key: value": r"(?i)\b(name|price|role) ?[:=-]",
+             "bare list": r"^(\w+: )?<\w+>(,|, | \| | / | - | – |; )<\w+>(,|, | \| | / | - | – |; )<\w+>",
+             "integer first": r"^\W*<(age|price|years)>", "parentheses": r"\(", "lowercase start": r"^[a-z]"}
+    for form, pattern in forms.items():
+        share = sum(bool(re.search(pattern, s)) for s in shapes) / len(shapes)
+        assert share > 0.01, (form, share)
+
+
+def test_values_from_many_languages_and_of_several_words(examples):
+    strings = [v for e in examples for v in e["record"].values() if isinstance(v, str)]
+    # measured: 8% with accents or other non-ASCII letters, 21% of three words or more, 76% distinct
+    assert sum(not v.isascii() for v in strings) / len(strings) > 0.05
+    assert sum(len(v.split()) >= 3 for v in strings) / len(strings) > 0.15
+    assert len(set(strings)) > 0.6 * len(strings)
+
+
+def test_never_the_values_of_the_issue(examples):
+    pattern = re.compile(r"(?<!\w)(%s)(?!\w)" % "|".join(map(re.escape, ISSUE_VALUES)), re.I)
+    assert not [e["request"] for e in examples if pattern.search(e["request"])]
 
 
 def test_the_integer_sits_anywhere_in_the_sentence(examples):
