@@ -21,7 +21,7 @@ from tpu_models.loaders.lora import LoraAdapter
 from tpu_models.loaders.object_storage import ObjectStorageCheckpoint, is_object_storage
 from tpu_models.loaders.tables import check_checkpoint
 from tpu_models.quant import checkpoint as prequantized
-from tpu_models.adapt import request_checks
+from tpu_models.adapt import loading, request_checks
 from tpu_models.host import host_platform
 
 logger = init_logger(__name__)
@@ -259,9 +259,10 @@ def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
     if check_weights:
         logger.info("tpu-models: checking every weight for NaN and infinities (%s)",
                     CHECK_WEIGHTS_KEY)
-    tensors = in_dtype(weight_stream(vllm_config, checkpoint, weights, check_weights),
-                       to_torch_dtype(vllm_config.model_config.dtype), names=floating)
     adapter_dir = extra.get(LORA_KEY)
+    tensors = in_dtype(weight_stream(vllm_config, checkpoint, weights, check_weights),
+                       to_torch_dtype(vllm_config.model_config.dtype), names=floating,
+                       in_loader=set() if adapter_dir else default_loaded(model))
     if adapter_dir:
         adapter = LoraAdapter(adapter_dir)
         adapter.check_base(table)
@@ -291,18 +292,30 @@ def _return_freed_memory() -> None:
         pass
 
 
-def in_dtype(tensors, dtype, *, names: set[str]):
+def default_loaded(model) -> set[str]:
+    """Names of the parameters tpu-inference's default loader will fill (no
+    quantization hook), where the one-pass conversion is installed (adapt.loading)."""
+    if not loading.installed():
+        return set()
+    return {name for name, param in model.named_parameters()
+            if not hasattr(param, "weight_loader")}
+
+
+def in_dtype(tensors, dtype, *, names: set[str], in_loader: set[str] = frozenset()):
     """Streams (name, tensor) through, floating-point weights of `names` cast to
     the served dtype (--dtype). tpu-inference's loader keeps each tensor's own
     dtype, so a bf16 checkpoint served in float32 kept bf16 weights: every step
     then converted each weight to float32 before its matmul (a second pass over
     all weights per token, the largest cost of a CPU decode at 1B). Quantized
     weights (8 bits and fewer) and the scales beside them (not in `names`) keep
-    theirs."""
+    theirs. Those `in_loader` are marked instead, and cast in the loader's own
+    pass (adapt.loading)."""
     for name, tensor in tensors:
-        if (name in names and tensor.is_floating_point() and tensor.element_size() >= 2
-                and tensor.dtype != dtype):
-            tensor = tensor.to(dtype)
+        if name in names and tensor.is_floating_point() and tensor.element_size() >= 2:
+            if name in in_loader:
+                tensor = loading.mark(tensor, dtype)
+            elif tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
         yield name, tensor
 
 
