@@ -37,10 +37,11 @@ import optax  # noqa: E402
 from tpu_models.benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
 
 CONFIG = dict(vocab=512, hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, mlp=576,
-              rope_theta=10000.0, eps=1e-6, max_len=96)
+              rope_theta=10000.0, eps=1e-6, max_len=96, space_apart=False)
 # --data free: freely phrased requests (benchmarks/demo_phrasing.py) beside the templates,
 # longer sentences, names in many scripts' Latin letters: more vocabulary, width and length.
-FREE_CONFIG = dict(CONFIG, vocab=1024, hidden=256, heads=8, mlp=768, max_len=128)
+FREE_CONFIG = dict(CONFIG, vocab=1024, hidden=256, heads=8, mlp=768, max_len=160,
+                   space_apart=True)
 FREE_SIZE, FREE_SEED, TEMPLATE_SHARE = 60000, 0, 0.25
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -63,11 +64,18 @@ def training_examples(data: str) -> list[dict]:
 
 
 def train_tokenizer(examples, directory: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if CONFIG["space_apart"]:
+        # A space is a token of its own, so a value is the same tokens in the request
+        # (" Wanjiru Kamau,") as in the answer ("\"Wanjiru Kamau\""): copying it is
+        # repeating tokens, not mapping "ĠKamau" onto "Kamau" for every word.
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\s"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     corpus = [e["request"] for e in examples] + [e["answer"] for e in examples]
     tok.train_from_iterator(corpus, trainers.BpeTrainer(

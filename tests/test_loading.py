@@ -11,6 +11,7 @@ import torch
 from flax import nnx
 from jax.sharding import Mesh
 
+from tpu_models import logs
 from tpu_models.adapt import loading
 
 CASES = [  # name, checkpoint shape, param shape, reshape_dims, permute_dims
@@ -38,6 +39,7 @@ def patched(monkeypatch):
     original = weight_utils.load_nnx_param_from_reshaped_torch
     monkeypatch.setattr(weight_utils, "load_nnx_param_from_reshaped_torch", original)
     monkeypatch.setattr(loading, "_installed", False)
+    monkeypatch.setattr(logs, "WIDENED_BY_LOADER", set())
     loading.one_pass_conversion()
     assert loading.installed()
     with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("model",))):
@@ -60,7 +62,7 @@ def test_one_pass_loading_equals_upstreams(patched, source, served):
         dtype = jnp.float32 if served == torch.float32 else jnp.bfloat16
         want, want_dtype = _loaded(upstream, tensor.to(served), param_shape, dtype, reshape,
                                    permute, name)
-        got, got_dtype = _loaded(ours, loading.mark(tensor.clone(), served), param_shape,
+        got, got_dtype = _loaded(ours, loading.mark(name, tensor.clone(), served), param_shape,
                                  dtype, reshape, permute, name)
         assert got_dtype == want_dtype and got.shape == want.shape == param_shape, name
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=name)
@@ -71,8 +73,8 @@ def test_unmarked_and_unusual_tensors_take_upstreams_path(patched):
     upstream, ours, passes = patched
     tensor = torch.randn(48, 96)
     for weight in (tensor.clone(),  # not marked: no cast, upstream's conversion
-                   loading.mark(tensor.t().contiguous().t(), torch.float32),  # not contiguous
-                   loading.mark(tensor.to(torch.float8_e4m3fn), torch.float32)):  # 8 bits
+                   loading.mark("w", tensor.t().contiguous().t(), torch.float32),  # not contiguous
+                   loading.mark("w", tensor.to(torch.float8_e4m3fn), torch.float32)):  # 8 bits
         want, want_dtype = _loaded(upstream, weight if not hasattr(
             weight, loading._ATTRIBUTE) else weight.to(torch.float32), (96, 48), jnp.float32,
             None, None, "w")

@@ -47,16 +47,22 @@ class _DropMessages(logging.Filter):
         return not record.getMessage().startswith(self.prefixes)
 
 
+# Weights the loader itself widens to their parameter's dtype (adapt.loading marks them).
+WIDENED_BY_LOADER: set[str] = set()
+
+
 class _SameDtype(logging.Filter):
     """vLLM's weight loader compares the checkpoint's torch dtype with a JAX
     parameter's dtype, so equal dtypes ("torch.float32" vs "float32") warn, once
-    per tensor; a real mismatch still does."""
+    per tensor, and so does a weight the loader casts in its own pass
+    (WIDENED_BY_LOADER); a real mismatch still warns."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith("Attempted to load weight") or len(record.args) != 3:
             return True
-        _, loaded, param = record.args
-        return str(loaded).removeprefix("torch.") != str(param)
+        name, loaded, param = record.args
+        return (str(loaded).removeprefix("torch.") != str(param)
+                and name not in WIDENED_BY_LOADER)
 
 
 class _ShutdownWatch(logging.Filter):

@@ -313,7 +313,7 @@ def in_dtype(tensors, dtype, *, names: set[str], in_loader: set[str] = frozenset
     for name, tensor in tensors:
         if name in names and tensor.is_floating_point() and tensor.element_size() >= 2:
             if name in in_loader:
-                tensor = loading.mark(tensor, dtype)
+                tensor = loading.mark(name, tensor, dtype)
             elif tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
         yield name, tensor

@@ -24,8 +24,11 @@ def installed() -> bool:
     return _installed
 
 
-def mark(tensor, dtype):
-    """`tensor` to be cast to `dtype` (a torch dtype) by the loader, in its pass."""
+def mark(name: str, tensor, dtype):
+    """Checkpoint tensor `name` to be cast to `dtype` (a torch dtype) by the loader,
+    in its pass (vLLM's warning about its dtype is then no news: logs)."""
+    from tpu_models import logs
+    logs.WIDENED_BY_LOADER.add(name)
     setattr(tensor, _ATTRIBUTE, dtype)
     return tensor
 
