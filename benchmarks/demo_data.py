@@ -16,6 +16,7 @@ from pathlib import Path
 
 # Hand-written, freely phrased requests: frozen, never for training or selection.
 FREE_HELD_OUT = Path(__file__).parent / "demo_free_held_out.json"
+FREE_DEV = Path(__file__).parent / "demo_free_dev.json"  # written apart; for model selection
 
 NAMES = ["Alice", "Bob", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
          "Keiko", "Liam", "Maya", "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sven", "Tara",
@@ -118,9 +119,10 @@ def held_out(num: int, novel: bool = False) -> list[dict]:
             if not known & {v for v in e["record"].values() if isinstance(v, str)}][:num]
 
 
-def free_held_out() -> list[dict]:
-    """The frozen hand-written set (FREE_HELD_OUT), each with its JSON answer."""
-    examples = json.loads(FREE_HELD_OUT.read_text())["examples"]
+def free_held_out(path: Path = FREE_HELD_OUT) -> list[dict]:
+    """The frozen hand-written set (FREE_HELD_OUT; FREE_DEV: the one to choose
+    models on), each with its JSON answer."""
+    examples = json.loads(path.read_text())["examples"]
     return [{**e, "answer": json.dumps(e["record"])} for e in examples]
 
 

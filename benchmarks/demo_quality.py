@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tpu_models.benchmarks.demo_data import SCHEMAS, free_held_out, held_out, json_schema
+from tpu_models.benchmarks.demo_data import FREE_DEV, SCHEMAS, free_held_out, held_out, json_schema
 
 
 async def answer(client, model, example, guided):
@@ -91,10 +91,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--api-key", help="with --base-url")
     parser.add_argument("--num", type=int, default=200,
                         help="requests per generated set (the free set: all of it)")
+    parser.add_argument("--sets", default="familiar,novel,free",
+                        help="of familiar, novel (generated), free (the frozen hand-written "
+                             "set), dev (hand-written, to choose models on)")
     parser.add_argument("--out", default="demo-quality.json")
     args = parser.parse_args(argv)
-    sets = {"familiar": held_out(args.num), "novel": held_out(args.num, novel=True),
-            "free": free_held_out()}
+    build = {"familiar": lambda: held_out(args.num), "novel": lambda: held_out(args.num, True),
+             "free": free_held_out, "dev": lambda: free_held_out(FREE_DEV)}
+    chosen = args.sets.split(",")
+    if unknown := set(chosen) - set(build):
+        parser.error(f"--sets: unknown {sorted(unknown)}; choose from {sorted(build)}")
+    sets = {name: build[name]() for name in chosen}
     server = None
     if args.base_url:
         from openai import OpenAI
@@ -115,8 +122,8 @@ def main(argv=None) -> list[dict]:
             server.stop()
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=f"demo model on held-out requests ({args.num} per generated set, "
-                        f"{len(sets['free'])} freely phrased)")
+    table = Table(title="demo model on held-out requests (" + ", ".join(
+        f"{name} {len(examples)}" for name, examples in sets.items()) + ")")
     for column in ("values", "decoding", "valid JSON", "schema", "exact values", "field accuracy"):
         table.add_column(column, justify="right")
     for row in rows:

@@ -22,7 +22,6 @@ from tpu_models.loaders.object_storage import ObjectStorageCheckpoint, is_object
 from tpu_models.loaders.tables import check_checkpoint
 from tpu_models.quant import checkpoint as prequantized
 from tpu_models.adapt import loading, request_checks
-from tpu_models.host import host_platform
 
 logger = init_logger(__name__)
 
