@@ -3,14 +3,11 @@
 import contextlib
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import requests
+from tpu_models.server.loopback import ServeProcess
 
 # vLLM's start-up line (v1/core/kv_cache_utils.py), e.g. "TPU KV cache size: 10,381
 # tokens, Maximum concurrency for 512 tokens per request: 20.28x".
@@ -21,12 +18,6 @@ STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minute
 # ready (tpu_models/adapt/compilation.py): its log says when they are all done.
 BACKGROUND = "compile in the background"
 SETTLED = "all token buckets compiled"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -43,7 +34,7 @@ def launched(servers: dict[str, "Server"]):
             server.stop()
 
 
-class Server:
+class Server(ServeProcess):
     """`with Server(model_dir, "--dtype", "float32", log=path) as s:` -> s.url, s.client().
 
     `command` replaces `tpu-models serve` (e.g. ["vllm", "serve"] for plain vLLM);
@@ -56,27 +47,20 @@ class Server:
         """`settle`: `start` also waits for the token buckets that compile in the
         background (a benchmark measures a settled server); `startup_seconds` is
         the time to /health either way."""
+        super().__init__(log)
         self.settle = settle
-        self.port = free_port()
         self.api_key = api_key
         if api_key:
             args = (*args, "--api-key", api_key)
-        self.url = f"http://127.0.0.1:{self.port}"
         base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
         self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
-        self.log_path = log
         # vLLM posts usage statistics to its server unless told not to: loopback only here.
         self.env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
         self.cwd = cwd or Path(__file__).parents[1]
-        self.process = None
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
-        self.log = open(self.log_path, "w")
-        self.started = time.monotonic()
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=self.env, start_new_session=True,
-                                        cwd=self.cwd)
+        super().launch(self.command, self.env, self.cwd)
         return self
 
     def start(self) -> "Server":
@@ -85,14 +69,11 @@ class Server:
         while time.monotonic() - self.started < STARTUP_TIMEOUT:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.startup_seconds = time.monotonic() - self.started
-                    if self.settle:
-                        self.wait_settled()
-                    return self
-            except requests.RequestException:
-                pass
+            if self.healthy():
+                self.startup_seconds = time.monotonic() - self.started
+                if self.settle:
+                    self.wait_settled()
+                return self
             time.sleep(0.25)  # start-up times (bench startup) are read off this loop
         self.stop()
         raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.tail()}")
@@ -117,22 +98,6 @@ class Server:
             return self.process.wait(timeout)
         finally:
             self.stop()
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Sends `sig` to the server's process group (as a service manager, or
-        Ctrl-C in a terminal, does) and waits; kills it after 30 s."""
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, sig)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        if getattr(self, "log", None):
-            self.log.close()
-
-    def output(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
 
     def kv_capacity(self, timeout: float = STARTUP_TIMEOUT) -> tuple[int, float]:
         """(tokens, maximum concurrency at --max-model-len) of the KV cache, as

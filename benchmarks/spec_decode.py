@@ -1,15 +1,17 @@
 """Speculative decoding on the demo model: off, n-gram lookup and EAGLE-3, side by side.
 
     tpu-models bench spec [--methods off,ngram,eagle3] [--concurrency 1,4]
-                          [--requests 48] [--rounds 3] [--out FILE]
+                          [--requests 48] [--rounds 3] [--sets novel,free]
+                          [--model DIR --draft DIR] [--out FILE]
 
 Each method gets its own `tpu-models serve` of the embedded demo model (same
 options); all serve at once, and the benchmark alternates between them,
 `rounds` runs each per concurrency, the order rotating every round: this small
 shared host drifts by 15-25% between minutes, which one method after the other
-read as a speed-up or a loss. Each run sends held-out demo requests (JSON
-extraction whose values training never showed: benchmarks/demo_data.held_out),
-greedy, as streamed chat completions. Reported per method and concurrency:
+read as a speed-up or a loss. Each run sends held-out demo requests, greedy,
+as streamed chat completions: per set, `novel` (template sentences whose
+values training never showed: benchmarks/demo_data.held_out) and `free` (the
+frozen hand-written set: demo_data.free_held_out). Reported per method and concurrency:
 output tok/s and median TPOT (vLLM bench serve's definitions,
 benchmarks/serving.py), medians over the runs; the draft acceptance rate and
 mean acceptance length from the server's own vllm:spec_decode_* counters; and
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from tpu_models.benchmarks import serving
-from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.demo_data import free_held_out, held_out
 from tpu_models.benchmarks.process import Server
 from tpu_models.server.serve import DEFAULT_NAME
 
@@ -59,16 +61,27 @@ def run_once(server: Server, method: str, examples: list[dict], warmup: list[dic
     return asyncio.run(run())
 
 
-def measure(methods: list[str], examples: list[dict], warmup: list[dict],
-            concurrencies: list[int], rounds: int, work: Path) -> list[dict]:
-    """One row per method and concurrency (methods[0] is the baseline)."""
-    args = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20)]
+def _speculation(method: str, draft: str | None) -> list[str]:
+    if method == "off":
+        return []
+    if method == "eagle3" and draft:  # a model other than the shipped demo, with its draft
+        return ["--speculative-config", json.dumps(
+            {"method": "eagle3", "model": draft, "num_speculative_tokens": 3})]
+    return ["--speculative", method]
+
+
+def measure(methods: list[str], sets: dict[str, list[dict]], warmup: list[dict],
+            concurrencies: list[int], rounds: int, work: Path, model: str | None = None,
+            draft: str | None = None) -> list[dict]:
+    """One row per set, method and concurrency (methods[0] is the baseline)."""
+    args = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+            *(["--served-model-name", DEFAULT_NAME] if model else [])]
     rows = []
     with contextlib.ExitStack() as stack:
         servers = {method: stack.enter_context(Server(
-            None, *args, *(["--speculative", method] if method != "off" else []),
+            model, *args, *_speculation(method, draft),
             log=work / f"serve-{method}.log")) for method in methods}
-        for concurrency in concurrencies:
+        for (name, examples), concurrency in ((s, c) for s in sets.items() for c in concurrencies):
             runs = {method: [] for method in methods}  # [(row, texts)] per round
             for r in range(rounds):
                 order = methods[r % len(methods):] + methods[:r % len(methods)]
@@ -77,7 +90,7 @@ def measure(methods: list[str], examples: list[dict], warmup: list[dict],
                                                  warmup if r == 0 else None, concurrency))
             base = runs[methods[0]]
             for method in methods:
-                row = serving.median_row([run for run, _ in runs[method]])
+                row = {"set": name, **serving.median_row([run for run, _ in runs[method]])}
                 row["speedup"] = statistics.median(
                     run["output_throughput"] / off["output_throughput"]
                     for (run, _), (off, _) in zip(runs[method], base))
@@ -85,8 +98,9 @@ def measure(methods: list[str], examples: list[dict], warmup: list[dict],
                     sum(a == b for a, b in zip(texts, off_texts))
                     for (_, texts), (_, off_texts) in zip(runs[method], base))
                 rows.append(row)
-                print(json.dumps({k: row[k] for k in ("method", "concurrency", "output_throughput",
-                                                       "median_tpot_ms", "speedup")}), flush=True)
+                print(json.dumps({k: row[k] for k in ("set", "method", "concurrency",
+                                                       "output_throughput", "median_tpot_ms",
+                                                       "speedup")}), flush=True)
     return rows
 
 
@@ -95,12 +109,12 @@ def report(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="speculative decoding, demo model, held-out requests (greedy)")
-    for header in ("method", "conc", "done", "out tok/s", "vs off", "TPOT p50 ms",
+    for header in ("set", "method", "conc", "done", "out tok/s", "vs off", "TPOT p50 ms",
                    "accepted", "accept len", "same text as off"):
         table.add_column(header, justify="right")
     for r in rows:
         runs = len(r["runs_output_throughput"])
-        table.add_row(r["method"], str(r["concurrency"]), f"{r['completed']}/{r['requests'] * runs}",
+        table.add_row(r["set"], r["method"], str(r["concurrency"]), f"{r['completed']}/{r['requests'] * runs}",
                       f"{r['output_throughput']:.1f}", f"{r['speedup']:.2f}x",
                       f"{r['median_tpot_ms']:.2f}",
                       f"{r['draft_acceptance_rate']:.0%}" if "draft_acceptance_rate" in r else "-",
@@ -115,18 +129,29 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3, help="alternated runs per method and concurrency")
+    p.add_argument("--sets", default="novel,free",
+                   help="novel: --requests template sentences with unseen values; free: the "
+                        "frozen hand-written set, all of it")
+    p.add_argument("--model", help="a demo model other than the shipped one (with --draft)")
+    p.add_argument("--draft", help="its EAGLE-3 draft")
     p.add_argument("--out", default="bench-spec.json")
     args = p.parse_args(argv)
+    if bool(args.model) != bool(args.draft):
+        p.error("--model and --draft go together")
     # "off" first: the baseline every ratio and text is compared against.
     methods = ["off", *(m for m in args.methods.split(",") if m != "off")]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    examples = held_out(args.requests + 8, novel=True)
-    examples, warmup = examples[:args.requests], examples[args.requests:]
+    novel = held_out(args.requests + 8, novel=True)
+    warmup = novel[args.requests:]
+    build = {"novel": lambda: novel[:args.requests], "free": free_held_out}
+    if unknown := set(args.sets.split(",")) - set(build):
+        p.error(f"--sets: unknown {sorted(unknown)}; choose from {sorted(build)}")
+    sets = {name: build[name]() for name in args.sets.split(",")}
     work = Path(tempfile.mkdtemp(prefix="tpu-models-spec-"))
-    rows = measure(methods, examples, warmup, concurrencies, args.rounds, work)
+    rows = measure(methods, sets, warmup, concurrencies, args.rounds, work, args.model, args.draft)
     report(rows)
     document = {"benchmark": "spec", "max_tokens": MAX_TOKENS, "rounds": args.rounds,
-                "logs": str(work), "rows": rows}
+                "model": args.model or "embedded demo", "logs": str(work), "rows": rows}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     return document
 

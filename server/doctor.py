@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import urllib.error
 import urllib.request
 from importlib import metadata
 from pathlib import Path
+
+from tpu_models.server.loopback import ServeProcess
 
 MODELS = Path(__file__).parent / "doctor_models"
 PACKAGES = ("vllm-tpu", "tpu-inference", "jax", "jaxlib", "libtpu", "flax", "qwix", "tpu-models")
@@ -92,46 +93,31 @@ def versions() -> str:
 
 # --- serving ---------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
+class Served(ServeProcess):
     """One `tpu-models serve` of a shipped checkpoint, on loopback."""
 
     def __init__(self, name: str, directory: Path, logs: Path, env: dict):
         from tpu_models.server import serve
-        self.name, self.port = name, free_port()
-        self.log = logs / f"{name}.log"
+        super().__init__(logs / f"{name}.log")
+        self.name, self.log = name, self.log_path
         command, env = serve.build_command(
             [str(directory), *SERVER_ARGS, "--port", str(self.port)], env)
-        self.process = subprocess.Popen(command, env=env, stdout=self.log.open("w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        self.started = time.monotonic()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        self.launch(command, env)
 
     def wait_ready(self, timeout: float) -> float:
         while time.monotonic() - self.started < timeout:
-            if self.process.poll() is not None:
+            if self.exited():
                 raise CannotRun(f"{self.name}: the server stopped before it was ready "
                                 f"({self.last_error()}); log: {self.log}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.started
-            except (urllib.error.URLError, OSError):
-                pass
+            if self.healthy(timeout=5):
+                return time.monotonic() - self.started
             time.sleep(0.5)
         raise CannotRun(f"{self.name}: not ready after {timeout:.0f} s; log: {self.log}")
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
         body = {"model": "doctor", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
-        request = urllib.request.Request(self.url("/v1/completions"), json.dumps(body).encode(),
+        request = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=120) as r:
@@ -140,17 +126,9 @@ class Served:
             raise CannotRun(f"{self.name}: a request failed ({e}); log: {self.log}") from None
 
     def last_error(self) -> str:
-        lines = [l.strip() for l in self.log.read_text(errors="replace").splitlines() if l.strip()]
+        lines = [l.strip() for l in self.output().splitlines() if l.strip()]
         errors = [l for l in lines if "Error" in l or "error" in l]
         return (errors or lines or ["no output"])[-1][-300:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
 
 
 def mismatches(name: str, expected: dict, got: list[list[int]]) -> list[str]:
