@@ -99,7 +99,7 @@ class Served(ServeProcess):
     def __init__(self, name: str, directory: Path, logs: Path, env: dict):
         from tpu_models.server import serve
         super().__init__(logs / f"{name}.log")
-        self.name, self.log = name, self.log_path
+        self.name = name
         command, env = serve.build_command(
             [str(directory), *SERVER_ARGS, "--port", str(self.port)], env)
         self.launch(command, env)
@@ -108,11 +108,11 @@ class Served(ServeProcess):
         while time.monotonic() - self.started < timeout:
             if self.exited():
                 raise CannotRun(f"{self.name}: the server stopped before it was ready "
-                                f"({self.last_error()}); log: {self.log}")
+                                f"({self.last_error()}); log: {self.log_path}")
             if self.healthy(timeout=5):
                 return time.monotonic() - self.started
             time.sleep(0.5)
-        raise CannotRun(f"{self.name}: not ready after {timeout:.0f} s; log: {self.log}")
+        raise CannotRun(f"{self.name}: not ready after {timeout:.0f} s; log: {self.log_path}")
 
     def greedy(self, prompt: list[int], tokens: int) -> list[int]:
         body = {"model": "doctor", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
@@ -123,7 +123,7 @@ class Served(ServeProcess):
             with urllib.request.urlopen(request, timeout=120) as r:
                 return json.loads(r.read())["choices"][0]["token_ids"]
         except (urllib.error.URLError, OSError, KeyError) as e:
-            raise CannotRun(f"{self.name}: a request failed ({e}); log: {self.log}") from None
+            raise CannotRun(f"{self.name}: a request failed ({e}); log: {self.log_path}") from None
 
     def last_error(self) -> str:
         lines = [l.strip() for l in self.output().splitlines() if l.strip()]

@@ -232,7 +232,8 @@ def compiles_overlapped() -> None:
     # every group while the workers compile, and capture_model's end waits for all.
     from tpu_inference.runner.compilation_manager import CompilationManager
 
-    sampling, gather = CompilationManager._precompile_sampling, CompilationManager._precompile_gather_logprobs
+    sampling = CompilationManager._precompile_sampling
+    gather = CompilationManager._precompile_gather_logprobs
     flush = CompilationManager._flush_compilations
 
     def deferred(original):
