@@ -59,23 +59,40 @@ def drafts_on_the_host() -> None:
     # vLLM trims each guided request's draft list in place against its grammar;
     # tpu-inference handed the drafts over as one device array (AttributeError:
     # __delitem__, a dead engine). vLLM asks for them only on that path.
+    # Under async scheduling vLLM takes the drafts after the next step's inputs were
+    # prepared, and tpu-inference named their rows by that step's batch: when a
+    # request had finished, its rows moved and a guided request's grammar advanced
+    # over another request's drafts (masking its next tokens in the wrong state).
+    # The rows are named by the batch that drafted them.
     import numpy as np
     from tpu_inference.runner.speculative_decoding_manager import SpeculativeDecodingManager
 
-    original = SpeculativeDecodingManager.take_draft_token_ids
+    original_take = SpeculativeDecodingManager.take_draft_token_ids
+    original_propose = SpeculativeDecodingManager.propose_draft_token_ids
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        result = original_propose(self, *args, **kwargs)
+        self.drafted_for = list(self.runner.input_batch.req_ids)
+        return result
 
     def take_draft_token_ids(self):
-        drafts = original(self)
+        drafts = original_take(self)
         if drafts is None:
             return None
         ids = drafts.draft_token_ids  # a device array, or a list of its rows (and empty lists)
         ids = (np.asarray(ids).tolist() if hasattr(ids, "shape") else
                [row if isinstance(row, list) else np.asarray(row).tolist() for row in ids])
-        return dataclasses.replace(drafts, draft_token_ids=ids)
+        req_ids = getattr(self, "drafted_for", None) or drafts.req_ids
+        return dataclasses.replace(drafts, req_ids=req_ids, draft_token_ids=ids)
 
+    SpeculativeDecodingManager.propose_draft_token_ids = propose_draft_token_ids
     SpeculativeDecodingManager.take_draft_token_ids = take_draft_token_ids
 
 
+_PROPOSE_DRAFTS = (
+    "self sampled_output logits_indices_selector last_sampled_token_id num_rejected_tokens "
+    "discard_sampled_tokens_req_indices aux_hidden_states attn_metadata async_scheduling "
+    "spec_decode_metadata scheduler_output input_ids hidden_states")
 PATCHES = [
     Patch("grammar rows per logits row", GUIDED, (
         Target(f"{RUNNER}.tpu_runner.TPUModelRunner.sample_tokens", "self grammar_output"),
@@ -87,8 +104,10 @@ PATCHES = [
         upstream="tpu-inference issue 1531, PR 1563 (open; without draft rows)"),
     Patch("draft tokens handed over on the host", GUIDED_WITH_DRAFTS, (
         Target(f"{RUNNER}.speculative_decoding_manager.SpeculativeDecodingManager"
-               ".take_draft_token_ids", "self"), ),
-        "the first guided request beside drafts killed the engine (AttributeError: __delitem__)",
+               ".take_draft_token_ids", "self"),
+        Target(f"{RUNNER}.speculative_decoding_manager.SpeculativeDecodingManager"
+               ".propose_draft_token_ids", _PROPOSE_DRAFTS)),
+        "a guided request beside drafts killed the engine; async, its grammar took another's drafts",
         "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
         drafts_on_the_host),
 ]
