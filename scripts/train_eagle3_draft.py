@@ -1,8 +1,7 @@
 """Trains the EAGLE-3 draft of the embedded demo model (server/default_model_eagle3).
 
 The draft learns from the demo model's own hidden states on the demo's
-training distribution (benchmarks/demo_data.py, the requests the demo was
-trained on), as tpu-inference's Eagle3 Llama draft will run it:
+training distribution (the requests the demo was trained on: --data), as tpu-inference's Eagle3 Llama draft will run it:
 
   step 1, at position t: h = fc([a1_t, a2_t, a3_t]) (the target's inputs of
     layers AUX_LAYERS at t, from transformers), token x_{t+1}:
@@ -15,8 +14,8 @@ trained on), as tpu-inference's Eagle3 Llama draft will run it:
 
 The embedding is the target's (the engine lends it to the draft). The loss
 counts the answer tokens only: the draft runs while the model answers.
-Run from the repo root (a few minutes on 2 CPU cores):
-    ./dev python scripts/train_eagle3_draft.py [--steps 600] [--out server/default_model_eagle3]
+Run from the repo root (about 18 minutes on 2 CPU cores):
+    ./dev python scripts/train_eagle3_draft.py [--steps 1200] [--out server/default_model_eagle3]
 """
 
 import argparse
@@ -189,11 +188,11 @@ def train(config, ids, aux, embedding, mask, steps, batch, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", default=str(ROOT / "server" / "default_model_eagle3"))
     parser.add_argument("--target", default=str(TARGET), help="the demo model drafted for")
-    parser.add_argument("--data", choices=["templates", "free"], default="templates",
+    parser.add_argument("--data", choices=["templates", "free"], default="free",
                         help="the training set the demo was trained on")
     args = parser.parse_args()
 

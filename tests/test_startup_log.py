@@ -102,7 +102,7 @@ def test_demo_server_log_tells_the_truth(tmp_path):
         tokens, concurrency = server.kv_capacity()
         assert (int(ready[1].replace(",", "")), float(ready[2])) == (tokens, concurrency), name
         loading = float(re.search(r"Loading weights took ([\d.]+) seconds", log)[1])
-        assert loading < 10, name  # 7.8 MB; it used to log the host's uptime
+        assert loading < 10, name  # 14.4 MB; it used to log the host's uptime
 
 
 def test_off_tpu_the_engine_core_is_forked_and_compiles_in_parallel():
