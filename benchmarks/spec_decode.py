@@ -1,8 +1,8 @@
 """Speculative decoding on the demo model: off, n-gram lookup and EAGLE-3, side by side.
 
     tpu-models bench spec [--methods off,ngram,eagle3] [--concurrency 1,4]
-                          [--requests 48] [--rounds 3] [--sets novel,free]
-                          [--model DIR --draft DIR] [--out FILE]
+                          [--requests 48] [--rounds 3] [--runs 1] [--sets novel,free]
+                          [--model DIR --draft DIR] [--tokens K] [--out FILE]
 
 Each method gets its own `tpu-models serve` of the embedded demo model (same
 options); all serve at once, and the benchmark alternates between them,
@@ -18,6 +18,9 @@ mean acceptance length from the server's own vllm:spec_decode_* counters; and
 output tok/s against `off`, the median of each round's ratio. Every method must
 also answer every request with the same text as `off` (greedy speculative
 decoding is lossless); the worst round's count of equal answers is reported.
+With --runs R the servers are started R times, each run alternating its own
+rounds; a row then reports the median run (by its ratio to `off`) and every
+run's ratio.
 """
 
 import argparse
@@ -31,7 +34,7 @@ from pathlib import Path
 from tpu_models.benchmarks import serving
 from tpu_models.benchmarks.demo_data import free_held_out, held_out
 from tpu_models.benchmarks.process import Server
-from tpu_models.server.serve import DEFAULT_NAME
+from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
 
 MAX_TOKENS = 64
 
@@ -61,25 +64,27 @@ def run_once(server: Server, method: str, examples: list[dict], warmup: list[dic
     return asyncio.run(run())
 
 
-def _speculation(method: str, draft: str | None) -> list[str]:
+def _speculation(method: str, draft: str | None, tokens: int | None) -> list[str]:
     if method == "off":
         return []
-    if method == "eagle3" and draft:  # a model other than the shipped demo, with its draft
+    if method == "eagle3" and (draft or tokens):  # another draft, or another draft length
         return ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": draft, "num_speculative_tokens": 3})]
+            {**SPECULATIVE["eagle3"], **({"model": draft} if draft else {}),
+             **({"num_speculative_tokens": tokens} if tokens else {})})]
     return ["--speculative", method]
 
 
 def measure(methods: list[str], sets: dict[str, list[dict]], warmup: list[dict],
             concurrencies: list[int], rounds: int, work: Path, model: str | None = None,
-            draft: str | None = None) -> list[dict]:
+            draft: str | None = None, tokens: int | None = None) -> list[dict]:
     """One row per set, method and concurrency (methods[0] is the baseline)."""
     args = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
             *(["--served-model-name", DEFAULT_NAME] if model else [])]
     rows = []
+    work.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         servers = {method: stack.enter_context(Server(
-            model, *args, *_speculation(method, draft),
+            model, *args, *_speculation(method, draft, tokens),
             log=work / f"serve-{method}.log")) for method in methods}
         for (name, examples), concurrency in ((s, c) for s in sets.items() for c in concurrencies):
             runs = {method: [] for method in methods}  # [(row, texts)] per round
@@ -104,18 +109,33 @@ def measure(methods: list[str], sets: dict[str, list[dict]], warmup: list[dict],
     return rows
 
 
+def median_runs(runs: list[list[dict]]) -> list[dict]:
+    """Per set, method and concurrency: the run with the median ratio to off,
+    with every run's ratio and output tok/s beside it."""
+    rows = []
+    for same in zip(*runs):
+        ordered = sorted(same, key=lambda row: row["speedup"])
+        row = dict(ordered[(len(ordered) - 1) // 2])
+        row["runs_speedup"] = [r["speedup"] for r in same]
+        row["runs_median_output_throughput"] = [r["output_throughput"] for r in same]
+        row["same_text_as_off"] = min(r["same_text_as_off"] for r in same)
+        rows.append(row)
+    return rows
+
+
 def report(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="speculative decoding, demo model, held-out requests (greedy)")
-    for header in ("set", "method", "conc", "done", "out tok/s", "vs off", "TPOT p50 ms",
-                   "accepted", "accept len", "same text as off"):
+    for header in ("set", "method", "conc", "done", "out tok/s", "vs off", "runs vs off",
+                   "TPOT p50 ms", "accepted", "accept len", "same text as off"):
         table.add_column(header, justify="right")
     for r in rows:
         runs = len(r["runs_output_throughput"])
         table.add_row(r["set"], r["method"], str(r["concurrency"]), f"{r['completed']}/{r['requests'] * runs}",
                       f"{r['output_throughput']:.1f}", f"{r['speedup']:.2f}x",
+                      ", ".join(f"{x:.2f}" for x in r.get("runs_speedup", [r["speedup"]])),
                       f"{r['median_tpot_ms']:.2f}",
                       f"{r['draft_acceptance_rate']:.0%}" if "draft_acceptance_rate" in r else "-",
                       f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-",
@@ -129,11 +149,15 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3, help="alternated runs per method and concurrency")
+    p.add_argument("--runs", type=int, default=1,
+                   help="times the servers are started and the rounds run; rows: the median run")
     p.add_argument("--sets", default="novel,free",
                    help="novel: --requests template sentences with unseen values; free: the "
                         "frozen hand-written set, all of it")
     p.add_argument("--model", help="a demo model other than the shipped one (with --draft)")
     p.add_argument("--draft", help="its EAGLE-3 draft")
+    p.add_argument("--tokens", type=int, help="EAGLE-3 draft tokens per step (shipped: "
+                   f"{SPECULATIVE['eagle3']['num_speculative_tokens']})")
     p.add_argument("--out", default="bench-spec.json")
     args = p.parse_args(argv)
     if bool(args.model) != bool(args.draft):
@@ -148,9 +172,13 @@ def main(argv=None) -> dict:
         p.error(f"--sets: unknown {sorted(unknown)}; choose from {sorted(build)}")
     sets = {name: build[name]() for name in args.sets.split(",")}
     work = Path(tempfile.mkdtemp(prefix="tpu-models-spec-"))
-    rows = measure(methods, sets, warmup, concurrencies, args.rounds, work, args.model, args.draft)
+    rows = median_runs([
+        measure(methods, sets, warmup, concurrencies, args.rounds, work / f"run-{run}",
+                args.model, args.draft, args.tokens) for run in range(args.runs)])
     report(rows)
     document = {"benchmark": "spec", "max_tokens": MAX_TOKENS, "rounds": args.rounds,
+                "runs": args.runs, "eagle3_tokens": args.tokens or
+                SPECULATIVE["eagle3"]["num_speculative_tokens"],
                 "model": args.model or "embedded demo", "logs": str(work), "rows": rows}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     return document

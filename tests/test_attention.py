@@ -95,6 +95,8 @@ CASES = {
     # 8 token rows, under q_block: speculative verification's step shape
     "few_tokens": [(21, 1), (40, 2)],
     "many_decodes": [(3, 1), (20, 1), (41, 1), (0, 1), (70, 1), (9, 1), (33, 1)],
+    # EAGLE-3 verification at concurrency 4: 1 + 3 drafts each, a query row apiece
+    "verification": [(30, 4), (9, 4), (61, 4), (0, 4), (17, 9)],
 }
 
 
@@ -102,7 +104,8 @@ CASES = {
 # shapes where they bite (long contexts, chunked prefill).
 VARIANTS = [(case, None, None) for case in sorted(CASES)] + [
     ("mixed", 16, None), ("mixed", None, 30.0), ("mixed", 7, 5.0),
-    ("long_context_few_queries", 16, None), ("decode_only", 7, 5.0), ("few_tokens", 16, None)]
+    ("long_context_few_queries", 16, None), ("decode_only", 7, 5.0), ("few_tokens", 16, None),
+    ("verification", 16, None)]
 
 
 @pytest.mark.parametrize("case,window,soft_cap", VARIANTS,

@@ -87,3 +87,21 @@ def test_bench_step_smoke(tmp_path):
         assert row["lora_step_ms"] > 0  # the same step with 2 adapters in slots
         assert row["read_gb_s_before"] > 0 and row["read_gb_s_after"] > 0
     assert len(result["bandwidth_samples"]) == 2 * len(result["rows"])  # before and after each
+
+
+def test_bench_spec_reports_the_median_run_and_the_draft_length():
+    from tpu_models.benchmarks import spec_decode
+    runs = [[{"set": "free", "method": "off", "speedup": 1.0, "output_throughput": 100.0,
+              "same_text_as_off": 139},
+             {"set": "free", "method": "eagle3", "speedup": ratio, "output_throughput": 100 * ratio,
+              "same_text_as_off": same}] for ratio, same in ((1.3, 139), (1.1, 138), (1.2, 139))]
+    off, eagle3 = spec_decode.median_runs(runs)
+    assert off["speedup"] == 1.0
+    assert eagle3["speedup"] == 1.2 and eagle3["output_throughput"] == 120.0  # the median run
+    assert eagle3["runs_speedup"] == [1.3, 1.1, 1.2]
+    assert eagle3["same_text_as_off"] == 138  # the worst run
+    flag, config = spec_decode._speculation("eagle3", None, 4)
+    assert flag == "--speculative-config"
+    assert json.loads(config)["num_speculative_tokens"] == 4
+    assert json.loads(config)["model"].endswith("default_model_eagle3")  # the shipped draft
+    assert spec_decode._speculation("eagle3", None, None) == ["--speculative", "eagle3"]
