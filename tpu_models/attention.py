@@ -180,14 +180,16 @@ def ragged_paged_attention(
     live = jnp.arange(max_seqs) < num_seqs
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
 
+    seq_of, position = _token_requests(cu_q_lens, seq_lens, num_tokens)
     if update_kv_cache:
-        kv_cache = _write_kv(kv_cache, k, v, seq_lens, block_tables, cu_q_lens, num_seqs, live)
+        kv_cache = _write_kv(kv_cache, k, v, block_tables, cu_q_lens, num_seqs, live,
+                             seq_of, position)
 
     paged = _PagedKV(kv_cache, block_tables, k.shape[1], q.shape[2], k_scale, v_scale)
     scale = functools.partial(_scale_scores, sm_scale=sm_scale, soft_cap=soft_cap)
     # q_block spare rows: prefill writes whole query blocks.
     out = jnp.zeros((num_tokens + q_block, *q.shape[1:]), q.dtype)
-    out = _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
+    out = _decode(out, q, paged, cu_q_lens, q_lens, seq_of, position, scale=scale,
                   sliding_window=sliding_window, block=decode_block,
                   kv_block=decode_kv_block, block_bytes=decode_block_bytes)
     out = _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
@@ -195,21 +197,24 @@ def ragged_paged_attention(
     return out[:num_tokens], kv_cache
 
 
-def _write_kv(kv_cache, k, v, seq_lens, block_tables, cu_q_lens, num_seqs, live):
+def _token_requests(cu_q_lens, seq_lens, num_tokens):
+    """Each token row's request and position in it (padding rows: the last request's)."""
+    token = jnp.arange(num_tokens)
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), seq_lens.shape[0] - 1)
+    return seq, seq_lens[seq] - (cu_q_lens[seq + 1] - token)
+
+
+def _write_kv(kv_cache, k, v, block_tables, cu_q_lens, num_seqs, live, seq, pos):
     """Writes this step's keys and values [T, K, H] into their pages; padding tokens are dropped."""
     num_pages, page_size = kv_cache.shape[:2]
-    max_seqs, pages_per_seq = block_tables.shape
-    token = jnp.arange(k.shape[0])
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
-    valid = (token < cu_q_lens[num_seqs]) & live[seq]
-    pos = seq_lens[seq] - (cu_q_lens[seq + 1] - token)
-    page = block_tables[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
+    valid = (jnp.arange(k.shape[0]) < cu_q_lens[num_seqs]) & live[seq]
+    page = block_tables[seq, jnp.clip(pos // page_size, 0, block_tables.shape[1] - 1)]
     page = jnp.where(valid, page, num_pages)  # out of range: dropped
     return kv_cache.at[page, pos % page_size].set(_pack_kv(k, v, kv_cache), mode="drop")
 
 
-def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, block,
-            kv_block, block_bytes):
+def _decode(out, q, paged, cu_q_lens, q_lens, seq_of, position, *, scale, sliding_window,
+            block, kv_block, block_bytes):
     """Attends the queries of short requests (decodes, speculative verification),
     one row per query, `block` rows at a time, into their rows of out.
 
@@ -226,7 +231,6 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = paged.kv_heads
     group = num_heads // kv_heads
-    max_seqs = seq_lens.shape[0]
     _, page_size, *slot_shape = paged.kv_cache.shape
     pages = max(1, kv_block // page_size)
     block_keys = pages * page_size
@@ -234,7 +238,6 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
     key_bytes = math.prod(slot_shape[:-1]) * head_dim * paged.kv_cache.dtype.itemsize
     block = max(1, min(block, num_tokens, block_bytes // (block_keys * key_bytes)))
     token = jnp.arange(num_tokens)
-    seq_of = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), max_seqs - 1)
     is_row = ((q_lens[seq_of] >= 1) & (q_lens[seq_of] <= SHORT_QUERIES)
               & (token >= cu_q_lens[seq_of]) & (token < cu_q_lens[seq_of + 1]))
     num_decode = is_row.sum()
@@ -249,7 +252,7 @@ def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window
         rows = jnp.minimum(rows, num_tokens - 1)
         ids = seq_of[rows]  # each row's request
         # keys [lo, hi): up to the row's own position
-        hi = jnp.where(valid, seq_lens[ids] - (cu_q_lens[ids + 1] - rows) + 1, 0)
+        hi = jnp.where(valid, position[rows] + 1, 0)
         lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
         # Each request reads from the page holding its window's first key: the
         # pages before it may already be back in the pool (hybrid KV cache).
