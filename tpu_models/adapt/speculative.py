@@ -5,6 +5,7 @@ figures are in benchmarks/README.md (bench spec).
 """
 
 import dataclasses
+import functools
 
 from tpu_models.adapt.guard import EAGLE3, OFF_TPU, Patch, Target
 
@@ -82,6 +83,29 @@ def drafts_in_the_served_dtype() -> None:
                 node.dtype = served
 
     EagleLlama3ForCausalLM.__init__ = __init__
+
+
+def draft_heads_at_their_size() -> None:
+    # tpu-inference pads a draft's head_dim to 128 lanes for the TPU kernel: the
+    # demo draft's 32-wide heads made its attention projections 4x their size, and
+    # computed so, every pass. The portable attention pads only the cache, as it
+    # does for our models; the cache keeps its padded shape (sized elsewhere).
+    from tpu_inference import utils
+    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+
+    def unpadded(method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            padded = utils.get_padded_head_dim
+            utils.get_padded_head_dim = lambda head_dim: head_dim
+            try:
+                return method(*args, **kwargs)
+            finally:
+                utils.get_padded_head_dim = padded
+        return run
+
+    EagleLlama3ForCausalLM.__init__ = unpadded(EagleLlama3ForCausalLM.__init__)
+    EagleLlama3ForCausalLM.load_weights = unpadded(EagleLlama3ForCausalLM.load_weights)
 
 
 def draft_passes_on_live_rows() -> None:
@@ -170,6 +194,13 @@ PATCHES = [
         "the draft computed in bfloat16 under --dtype float32 (12x slower on XLA:CPU)",
         "tests/test_spec_decode.py::test_the_eagle3_draft_computes_in_the_served_dtype",
         drafts_in_the_served_dtype),
+    Patch("EAGLE-3 draft heads at their size", EAGLE3, (
+        Target(f"{DRAFT}.__init__", "self vllm_config rng_key mesh"),
+        Target(f"{DRAFT}.load_weights", "self rng_key"),
+        Target("tpu_inference.utils.get_padded_head_dim", "head_dim")),
+        "a draft's heads were padded to 128 lanes off-TPU too (4x the demo draft's attention)",
+        "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
+        draft_heads_at_their_size, platform=OFF_TPU, speed="tpu-models bench spec"),
     Patch("EAGLE-3 draft passes on live rows", EAGLE3, (
         Target(f"{PROPOSER}._propose", _PROPOSE),
         Target(f"{PROPOSER}._select_inputs_for_loop_speculation",
