@@ -178,3 +178,32 @@ def test_off_tpu_a_host_portability_patch_that_cannot_apply_stops_the_engine(mon
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     guard.install([broken], logging.getLogger("test"))
     assert not installed and guard.refused() == {}
+
+
+def test_argmax_off_tpu_answers_as_numpy():
+    """XLA:CPU's argmax is replaced by a max and a least position
+    (adapt.host_portability.argmax_as_two_reductions): the same index numpy
+    gives, ties to the first, a NaN wins, over every axis and dtype."""
+    load_plugins()
+    import jax.numpy as jnp
+    from jax import lax
+
+    lowered = jax.jit(lambda x: jnp.argmax(x, axis=-1)).lower(np.zeros((2, 8), np.float32))
+    assert "applies stablehlo.minimum" in lowered.as_text()  # ours, not a (value, index) reduce
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(5, 7, 33)).astype(np.float32)  # many ties
+    x[0, 0, 5] = x[1, 2, 0] = np.nan
+    x[1, 2, 9] = np.nan
+    x[2] = -np.inf
+    x[3, 1, 31] = np.inf
+    cases = [x, x.astype(jnp.bfloat16), x[4].astype(np.int32), x[4] > 0,
+             rng.normal(size=(3, 262144)).astype(np.float32)]
+    for array in cases:
+        for axis in range(array.ndim):
+            got = np.asarray(jax.jit(lambda a: jnp.argmax(a, axis=axis))(array))
+            want = np.argmax(np.asarray(array, np.float32) if array.dtype == jnp.bfloat16
+                             else array, axis=axis)
+            np.testing.assert_array_equal(got, want, err_msg=f"{array.dtype}, axis {axis}")
+    # jnp.argmax's int64 indices under x64 off, and lax.argmax's own index dtype
+    got = jax.jit(lambda a: lax.argmax(a, 0, jnp.int16))(x[4, 0])
+    assert got.dtype == jnp.int16 and int(got) == int(np.argmax(x[4, 0]))
