@@ -35,10 +35,11 @@ def _logger():
     return init_logger("tpu_models.adapt")
 
 
-def verify_and_draft(runner, rng, logits, input_ids, spec, sampling, aux_hidden_states,
-                     attn_metadata, draft_inputs, state_leaves, kv_caches):
+def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
+                     aux_hidden_states, attn_metadata, draft_inputs, state_leaves, kv_caches):
     """Upstream's calls of an EAGLE-3 step after the forward pass, in its order and
-    with its arguments, as one program (`runner` is static: its config and modules)."""
+    with its arguments, as one program (`runner` is static: its config and modules;
+    `live_rows`, static too: a power of two at least the step's requests)."""
     import jax
     from tpu_inference.runner import tpu_runner
     from tpu_inference.spec_decode.jax import utils
@@ -75,9 +76,11 @@ def verify_and_draft(runner, rng, logits, input_ids, spec, sampling, aux_hidden_
     # Without its jit (and its donation); its parameters are guarded by EAGLE-3's own
     # patch of it (adapt.speculative), which refuses EAGLE-3 where they changed.
     propose = type(drafter)._propose.__wrapped__
+    # Off-TPU, adapt.speculative's draft passes run on the live rows we know of.
+    bound = {"live_rows": live_rows} if "live_rows" in inspect.signature(propose).parameters else {}
     kv_caches, drafts = propose(drafter, state_leaves, kv_caches, draft_ids, draft_attn,
                                 last_token_indices, hidden, k,
-                                tuple(runner.layer_name_to_kvcache_index.items()))
+                                tuple(runner.layer_name_to_kvcache_index.items()), **bound)
     drafts = (drafts[:, None] if drafts.ndim == 1 else drafts)[:, :k]
     ahead = (utils.concat_last_sampled_tokens_and_draft_tokens(last, drafts)
              if runner.scheduler_config.async_scheduling else None)
@@ -88,7 +91,7 @@ def verify_and_draft(runner, rng, logits, input_ids, spec, sampling, aux_hidden_
 @functools.cache
 def _compiled():
     import jax
-    return jax.jit(verify_and_draft, static_argnums=(0, ), donate_argnames=("kv_caches", ))
+    return jax.jit(verify_and_draft, static_argnums=(0, 1), donate_argnames=("kv_caches", ))
 
 
 def eligible(runner, a: dict) -> bool:
@@ -303,8 +306,9 @@ def verification_and_drafting_fused() -> None:
         device = device_array(self.mesh, host,
                               sharding=PartitionSpec(ShardingAxisName.ATTN_DATA))
         try:
-            fused = _compiled()(self, self.rng_params_for_sampling, a["logits"], a["input_ids"],
-                                a["spec_decode_metadata"], a["tpu_sampling_metadata"],
+            live_rows = 1 << (int(host[2][0]) - 1).bit_length()  # host[2]: [requests]
+            fused = _compiled()(self, live_rows, self.rng_params_for_sampling, a["logits"],
+                                a["input_ids"], a["spec_decode_metadata"], a["tpu_sampling_metadata"],
                                 a["aux_hidden_states"], draft_attention(a["attn_metadata"]),
                                 device, self.drafter.state_leaves, self.kv_caches)
         except Exception:  # traced or compiled wrong: upstream's calls from now on

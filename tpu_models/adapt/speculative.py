@@ -111,8 +111,10 @@ def draft_heads_at_their_size() -> None:
 def draft_passes_on_live_rows() -> None:
     # Passes after the first ran on every request slot (64 off-TPU). Each request
     # has a token in the step, so the token bucket bounds the live requests: the
-    # passes run on min(slots, tokens) rows and the drafts are padded back.
-    # Jitted without the original's xla_tpu_* options.
+    # passes run on min(slots, tokens) rows and the drafts are padded back. A
+    # caller knowing the step's requests (adapt.spec_fusion) bounds them closer
+    # with live_rows: a prompt's 64 tokens are one request. Jitted without the
+    # original's xla_tpu_* options.
     import jax
     import jax.numpy as jnp
     from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
@@ -120,9 +122,10 @@ def draft_passes_on_live_rows() -> None:
     every_row = Eagle3Proposer._propose.__wrapped__
 
     def propose(self, state_leaves, kv_caches, input_ids, attn_metadata, last_token_indices,
-                target_hidden_states, num_speculative_tokens, layer_name_to_kvcache_index):
+                target_hidden_states, num_speculative_tokens, layer_name_to_kvcache_index,
+                live_rows=None):
         rows = last_token_indices.shape[0]
-        live = min(rows, input_ids.shape[0])
+        live = min(rows, input_ids.shape[0], live_rows or rows)
         if (live == rows or num_speculative_tokens == 1 or self.method != "eagle3"
                 or self.constant_draft_positions or self.runner.dp_size > 1):
             return every_row(self, state_leaves, kv_caches, input_ids, attn_metadata,
@@ -152,7 +155,8 @@ def draft_passes_on_live_rows() -> None:
         return kv_caches, jnp.pad(drafts, ((0, rows - live), (0, 0)))
 
     Eagle3Proposer._propose = jax.jit(propose, donate_argnames=("kv_caches", ),
-                                      out_shardings=(None, None), static_argnums=(0, 7, 8))
+                                      out_shardings=(None, None), static_argnums=(0, 7, 8),
+                                      static_argnames=("live_rows", ))
 
 
 def draft_logits_gathered() -> None:
