@@ -156,7 +156,8 @@ def draft_passes_on_live_rows() -> None:
 
     Eagle3Proposer._propose = jax.jit(propose, donate_argnames=("kv_caches", ),
                                       out_shardings=(None, None), static_argnums=(0, 7, 8),
-                                      static_argnames=("live_rows", ))
+                                      static_argnames=("num_speculative_tokens",
+                                                       "layer_name_to_kvcache_index", "live_rows"))
 
 
 def draft_logits_gathered() -> None:
