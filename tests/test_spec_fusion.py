@@ -45,3 +45,23 @@ def test_fused_eagle3_steps_give_the_text_of_plain_decoding(demo_server):
     # Every step of an EAGLE-3 engine is eligible here: all fused, our draft inputs
     # upstream's (none redrafted), none failed.
     assert steps.get("fused", 0) > 4 and set(steps) == {"fused"}, steps
+
+
+def test_the_draft_passes_cover_every_request_with_few_programs():
+    """The draft's later passes run on `_live_rows` rows: every request of the step
+    has its row, and each token bucket (the engine pads tokens to powers of two)
+    needs few programs: a decode step (1 + 3 drafts a request) one, steps with a
+    prompt chunk mostly one more, whatever their number of requests."""
+    from tpu_models.adapt.spec_fusion import _live_rows
+
+    programs = {}
+    for tokens in (1 << b for b in range(2, 9)):
+        for requests in range(1, tokens + 1):
+            rows = _live_rows(requests, tokens)
+            assert requests <= rows <= max(tokens, 1 << (requests - 1).bit_length())
+            assert rows & (rows - 1) == 0  # a power of two
+            programs.setdefault(tokens, set()).add(rows)
+        assert _live_rows(tokens // 4, tokens) == tokens // 4  # a decode step
+        # 1 to tokens / 4 requests (a chunk and decodes): two programs
+        assert {_live_rows(r, tokens) for r in range(1, tokens // 4 + 1)} == (
+            {tokens // 8, tokens // 4} if tokens >= 8 else {1})

@@ -39,7 +39,7 @@ def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
                      aux_hidden_states, attn_metadata, draft_inputs, state_leaves, kv_caches):
     """Upstream's calls of an EAGLE-3 step after the forward pass, in its order and
     with its arguments, as one program (`runner` is static: its config and modules;
-    `live_rows`, static too: a power of two at least the step's requests)."""
+    `live_rows` too: _live_rows)."""
     import jax
     from tpu_inference.runner import tpu_runner
     from tpu_inference.spec_decode.jax import utils
@@ -86,6 +86,14 @@ def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
              if runner.scheduler_config.async_scheduling else None)
     return dict(rng=rng, next_tokens=next_tokens, last=last, rejected=rejected, drafts=drafts,
                 ahead=ahead, kv_caches=kv_caches)
+
+
+def _live_rows(requests: int, tokens: int) -> int:
+    """The rows the draft's later passes run on: a power of two at least the step's
+    requests, and at least an eighth of its token bucket, so that steps with a prompt
+    chunk (a decode step has 4 tokens a request) share one program per bucket: each
+    compiles at its first step, not among the buckets compiled before serving."""
+    return max(1 << (requests - 1).bit_length(), tokens // 8)
 
 
 @functools.cache
@@ -306,7 +314,7 @@ def verification_and_drafting_fused() -> None:
         device = device_array(self.mesh, host,
                               sharding=PartitionSpec(ShardingAxisName.ATTN_DATA))
         try:
-            live_rows = 1 << (int(host[2][0]) - 1).bit_length()  # host[2]: [requests]
+            live_rows = _live_rows(int(host[2][0]), a["input_ids"].shape[0])
             fused = _compiled()(self, live_rows, self.rng_params_for_sampling, a["logits"],
                                 a["input_ids"], a["spec_decode_metadata"], a["tpu_sampling_metadata"],
                                 a["aux_hidden_states"], draft_attention(a["attn_metadata"]),
