@@ -54,13 +54,11 @@ def test_the_draft_passes_cover_every_request_with_few_programs():
     prompt chunk mostly one more, whatever their number of requests."""
     from tpu_models.adapt.spec_fusion import _live_rows
 
-    programs = {}
     for tokens in (1 << b for b in range(2, 9)):
         for requests in range(1, tokens + 1):
             rows = _live_rows(requests, tokens)
             assert requests <= rows <= max(tokens, 1 << (requests - 1).bit_length())
             assert rows & (rows - 1) == 0  # a power of two
-            programs.setdefault(tokens, set()).add(rows)
         assert _live_rows(tokens // 4, tokens) == tokens // 4  # a decode step
         # 1 to tokens / 4 requests (a chunk and decodes): two programs
         assert {_live_rows(r, tokens) for r in range(1, tokens // 4 + 1)} == (
