@@ -180,16 +180,15 @@ def ragged_paged_attention(
     live = jnp.arange(max_seqs) < num_seqs
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
 
-    seq_of, position = _token_requests(cu_q_lens, seq_lens, num_tokens)
+    seq_of, position, valid = _token_requests(cu_q_lens, seq_lens, num_seqs, live, num_tokens)
     if update_kv_cache:
-        kv_cache = _write_kv(kv_cache, k, v, block_tables, cu_q_lens, num_seqs, live,
-                             seq_of, position)
+        kv_cache = _write_kv(kv_cache, k, v, block_tables, seq_of, position, valid)
 
     paged = _PagedKV(kv_cache, block_tables, k.shape[1], q.shape[2], k_scale, v_scale)
     scale = functools.partial(_scale_scores, sm_scale=sm_scale, soft_cap=soft_cap)
     # q_block spare rows: prefill writes whole query blocks.
     out = jnp.zeros((num_tokens + q_block, *q.shape[1:]), q.dtype)
-    out = _decode(out, q, paged, cu_q_lens, q_lens, seq_of, position, scale=scale,
+    out = _decode(out, q, paged, q_lens, seq_of, position, valid, scale=scale,
                   sliding_window=sliding_window, block=decode_block,
                   kv_block=decode_kv_block, block_bytes=decode_block_bytes)
     out = _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
@@ -197,23 +196,24 @@ def ragged_paged_attention(
     return out[:num_tokens], kv_cache
 
 
-def _token_requests(cu_q_lens, seq_lens, num_tokens):
-    """Each token row's request and position in it (padding rows: the last request's)."""
+def _token_requests(cu_q_lens, seq_lens, num_seqs, live, num_tokens):
+    """Each token row's request, its position in it, and whether it is a live
+    request's (padding rows: the last request's, not valid)."""
     token = jnp.arange(num_tokens)
     seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], token, side="right"), seq_lens.shape[0] - 1)
-    return seq, seq_lens[seq] - (cu_q_lens[seq + 1] - token)
+    valid = (token < cu_q_lens[num_seqs]) & live[seq]
+    return seq, seq_lens[seq] - (cu_q_lens[seq + 1] - token), valid
 
 
-def _write_kv(kv_cache, k, v, block_tables, cu_q_lens, num_seqs, live, seq, pos):
+def _write_kv(kv_cache, k, v, block_tables, seq, pos, valid):
     """Writes this step's keys and values [T, K, H] into their pages; padding tokens are dropped."""
     num_pages, page_size = kv_cache.shape[:2]
-    valid = (jnp.arange(k.shape[0]) < cu_q_lens[num_seqs]) & live[seq]
     page = block_tables[seq, jnp.clip(pos // page_size, 0, block_tables.shape[1] - 1)]
     page = jnp.where(valid, page, num_pages)  # out of range: dropped
     return kv_cache.at[page, pos % page_size].set(_pack_kv(k, v, kv_cache), mode="drop")
 
 
-def _decode(out, q, paged, cu_q_lens, q_lens, seq_of, position, *, scale, sliding_window,
+def _decode(out, q, paged, q_lens, seq_of, position, valid, *, scale, sliding_window,
             block, kv_block, block_bytes):
     """Attends the queries of short requests (decodes, speculative verification),
     one row per query, `block` rows at a time, into their rows of out.
@@ -237,9 +237,7 @@ def _decode(out, q, paged, cu_q_lens, q_lens, seq_of, position, *, scale, slidin
     # One key's copy: all its slots, head_dim wide.
     key_bytes = math.prod(slot_shape[:-1]) * head_dim * paged.kv_cache.dtype.itemsize
     block = max(1, min(block, num_tokens, block_bytes // (block_keys * key_bytes)))
-    token = jnp.arange(num_tokens)
-    is_row = ((q_lens[seq_of] >= 1) & (q_lens[seq_of] <= SHORT_QUERIES)
-              & (token >= cu_q_lens[seq_of]) & (token < cu_q_lens[seq_of + 1]))
+    is_row = valid & (q_lens[seq_of] <= SHORT_QUERIES)
     num_decode = is_row.sum()
     decode_ids = jnp.nonzero(is_row, size=num_tokens, fill_value=num_tokens)[0]
     decode_ids = jnp.pad(decode_ids, (0, block), constant_values=num_tokens)
