@@ -48,33 +48,6 @@ def setup_host(device: str = "auto", env=None) -> str | None:
     return platform
 
 
-# XLA:CPU runs a step's operations on a pool of one thread per core; its NPROC
-# variable sets the count. A small model's step is mostly the engine's Python
-# work (inputs, dispatches, read-backs), and a pool on every core takes the core
-# that work needs: the demo model served with one thread on this 2-core host
-# answered 13% faster (plain) and 25% faster (EAGLE-3), while a 0.6B model's
-# step took 36% longer (benchmarks/README.md, "XLA:CPU threads").
-SMALL_CHECKPOINT_BYTES = 64 << 20
-XLA_CPU_THREADS_ENV = "NPROC"
-
-
-def xla_cpu_threads(checkpoint_bytes: int | None, cores: int) -> int | None:
-    """XLA:CPU's pool size for a checkpoint of this many bytes (None: unknown) on
-    this many cores: all but one for a small checkpoint; None keeps XLA's own."""
-    if checkpoint_bytes is None or checkpoint_bytes > SMALL_CHECKPOINT_BYTES or cores < 2:
-        return None
-    return cores - 1
-
-
-def set_xla_cpu_threads(env, checkpoint_bytes: int | None) -> None:
-    """Off-TPU, sizes XLA:CPU's pool for the checkpoint unless `env` sets it."""
-    if host_platform_of(env) != "cpu" or XLA_CPU_THREADS_ENV in env:
-        return
-    threads = xla_cpu_threads(checkpoint_bytes, len(os.sched_getaffinity(0)))
-    if threads is not None:
-        env[XLA_CPU_THREADS_ENV] = str(threads)
-
-
 def set_tpu_identity(env) -> None:
     for key, value in TPU_IDENTITY.items():
         env.setdefault(key, value)
