@@ -154,6 +154,8 @@ def draft_passes_on_live_rows() -> None:
         drafts = jnp.stack(drafts, axis=1)  # [live, k]
         return kv_caches, jnp.pad(drafts, ((0, rows - live), (0, 0)))
 
+    # Static both by position (the runner's calls) and by name (upstream's
+    # precompilation): given both, JAX maps neither to the other.
     Eagle3Proposer._propose = jax.jit(propose, donate_argnames=("kv_caches", ),
                                       out_shardings=(None, None), static_argnums=(0, 7, 8),
                                       static_argnames=("num_speculative_tokens",
