@@ -10,9 +10,9 @@ where the flattened (slot, packing) axis interleaves heads as k0, v0, k1, v1...
 and `packing` is how many cache elements fit in 32 bits (1 fp32, 2 bf16, 4 fp8).
 
 A step's batch is ragged: request r owns query rows cu_q_lens[r]:cu_q_lens[r+1]
-and, after this step, seq_lens[r] tokens of context. Requests of few queries
-(decode, speculative verification) are attended a block of requests at a time;
-longer ones (prefill, chunked prefill) a block of their own queries at a time. Either way keys are
+and, after this step, seq_lens[r] tokens of context. Requests with one query
+token (decode) are attended a block of requests at a time; longer ones (prefill,
+chunked prefill) a block of their own queries at a time. Either way keys are
 visited a block of pages at a time with an online softmax, so memory stays
 bounded by the block sizes, never by queries x context.
 
@@ -35,9 +35,9 @@ from tpu_inference.utils import get_mesh_shape_product
 _MASKED = -1e30  # finite: a fully masked block must not turn the softmax into NaN
 
 
-# Requests of at most this many queries attend through the decode path, all at
-# once: the prefill path takes requests one after another (EAGLE-3 verification
-# of 4 requests x 4 queries, the demo's forward: 3.8 -> 2.4 ms).
+# Requests of at most this many queries attend through the decode path, a row per
+# query, all at once: the prefill path takes requests one after another (EAGLE-3
+# verification of 4 requests x 4 queries, the demo's forward: 3.8 -> 2.4 ms).
 SHORT_QUERIES = 8
 
 
@@ -92,8 +92,11 @@ def _online_softmax_step(carry, scores, values, mask, weigh_values):
 
 
 def _attend_key_blocks(key_step, first, last, rows, head_dim):
-    """Runs key_step over key blocks [first, last) from an empty softmax of shape
-    `rows` (an entry per query and head). Returns the attention [*rows, H] in fp32."""
+    """Runs key_step over key blocks [first, last) from an empty softmax.
+
+    rows: the shape of the softmax state (one entry per query and head).
+    Returns the attention [*rows, H] in fp32.
+    """
     init = (jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, head_dim), jnp.float32))
     _, l, acc = lax.fori_loop(first, last, key_step, init)
@@ -166,7 +169,8 @@ def ragged_paged_attention(
     decode_block_bytes: int = 4 << 20,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out [T, N, H] in q.dtype, updated kv_cache)."""
-    num_tokens, max_seqs = q.shape[0], seq_lens.shape[0]
+    num_tokens = q.shape[0]
+    max_seqs = seq_lens.shape[0]
     # A step of few tokens (speculative verification, a draft's first pass, a
     # short prompt) has no request of q_block queries: smaller blocks skip the
     # padding rows (4 queries: 0.47 -> 0.18 ms a layer on the demo's shapes).
@@ -176,15 +180,15 @@ def ragged_paged_attention(
     live = jnp.arange(max_seqs) < num_seqs
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
 
+    seq_of, position, valid = _token_requests(cu_q_lens, seq_lens, num_seqs, live, num_tokens)
     if update_kv_cache:
-        kv_cache = _write_kv(kv_cache, k, v, block_tables,
-                             *_token_requests(cu_q_lens, seq_lens, num_seqs, live, num_tokens))
+        kv_cache = _write_kv(kv_cache, k, v, block_tables, seq_of, position, valid)
 
     paged = _PagedKV(kv_cache, block_tables, k.shape[1], q.shape[2], k_scale, v_scale)
     scale = functools.partial(_scale_scores, sm_scale=sm_scale, soft_cap=soft_cap)
     # q_block spare rows: prefill writes whole query blocks.
     out = jnp.zeros((num_tokens + q_block, *q.shape[1:]), q.dtype)
-    out = _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
+    out = _decode(out, q, paged, q_lens, seq_of, position, valid, scale=scale,
                   sliding_window=sliding_window, block=decode_block,
                   kv_block=decode_kv_block, block_bytes=decode_block_bytes)
     out = _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, scale=scale,
@@ -209,78 +213,72 @@ def _write_kv(kv_cache, k, v, block_tables, seq, pos, valid):
     return kv_cache.at[page, pos % page_size].set(_pack_kv(k, v, kv_cache), mode="drop")
 
 
-def _decode(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, block,
-            kv_block, block_bytes):
-    """Attends the short requests (decodes, speculative verification, a prompt of
-    a few tokens), `block` requests at a time, into their rows of out.
+def _decode(out, q, paged, q_lens, seq_of, position, valid, *, scale, sliding_window,
+            block, kv_block, block_bytes):
+    """Attends the queries of short requests (decodes, speculative verification),
+    one row per query, `block` rows at a time, into their rows of out.
 
     A decode reads far more keys than it computes on: what costs is the copy
-    the page gather makes. So a key block of a request block is kept within
+    the page gather makes. So a key block of a row block is kept within
     `block_bytes` (past the host's cache, the copy and its re-reads slow down
-    2-4x), and is copied once per request, heads ahead of keys, so both
-    products are batched matmuls over (request, kv head), its queries sharing
-    the copy (a verification's 4 queries at context 200, the demo's heads:
-    230 -> 163 us, a copy per query before). A block copies keys for all its
-    requests, live or not: few requests (low concurrency, or an EAGLE draft's
-    one-token passes over the whole padded batch) go in smaller blocks.
+    2-4x), and is copied once, heads ahead of keys, so both products are
+    batched matmuls over (row, kv head). A block copies keys for all its rows,
+    live or not: few rows (low concurrency, or an EAGLE draft's one-token
+    passes over the whole padded batch) go in smaller blocks. A short request's
+    queries attend as rows of their own, each up to its position: batched,
+    where the prefill path would take the requests one after another.
     """
-    (num_tokens, num_heads, head_dim), max_seqs = q.shape, q_lens.shape[0]
-    kv_heads, group = paged.kv_heads, num_heads // paged.kv_heads
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = paged.kv_heads
+    group = num_heads // kv_heads
     _, page_size, *slot_shape = paged.kv_cache.shape
     pages = max(1, kv_block // page_size)
     block_keys = pages * page_size
     # One key's copy: all its slots, head_dim wide.
     key_bytes = math.prod(slot_shape[:-1]) * head_dim * paged.kv_cache.dtype.itemsize
-    block = max(1, min(block, num_tokens, max_seqs, block_bytes // (block_keys * key_bytes)))
-    is_short = (q_lens > 0) & (q_lens <= SHORT_QUERIES)
-    num_short = is_short.sum()
-    short_ids = jnp.nonzero(is_short, size=max_seqs, fill_value=max_seqs)[0]
-    short_ids = jnp.pad(short_ids, (0, block), constant_values=max_seqs)
-    heads_first = (((4, ), (3, )), ((0, 1), (0, 1)))  # [D, K, Q, G, H] x [D, K, keys, H]
-    keys_summed = (((4, ), (2, )), ((0, 1), (0, 1)))  # [D, K, Q, G, keys] x [D, K, keys, H]
+    block = max(1, min(block, num_tokens, block_bytes // (block_keys * key_bytes)))
+    is_row = valid & (q_lens[seq_of] <= SHORT_QUERIES)
+    num_decode = is_row.sum()
+    decode_ids = jnp.nonzero(is_row, size=num_tokens, fill_value=num_tokens)[0]
+    decode_ids = jnp.pad(decode_ids, (0, block), constant_values=num_tokens)
+    heads_first = (((3, ), (3, )), ((0, 1), (0, 1)))  # [D, K, G, H] x [D, K, keys, H]
+    keys_summed = (((3, ), (2, )), ((0, 1), (0, 1)))  # [D, K, G, keys] x [D, K, keys, H]
 
-    def request_block(i, out, block, queries):
-        reqs = lax.dynamic_slice(short_ids, (i * block, ), (block, ))
-        live, reqs = reqs < max_seqs, jnp.minimum(reqs, max_seqs - 1)
-        n, slot = jnp.where(live, q_lens[reqs], 0), jnp.arange(queries)
-        is_query = slot < n[:, None]  # [D, Q]
-        rows = jnp.minimum(cu_q_lens[reqs][:, None] + slot, num_tokens - 1)
-        # query j of a request sees keys [lo, hi): up to its own position
-        hi = jnp.where(is_query, (seq_lens[reqs] - n)[:, None] + slot + 1, 0)
+    def request_block(i, out, block):
+        rows = lax.dynamic_slice(decode_ids, (i * block, ), (block, ))
+        valid = rows < num_tokens
+        rows = jnp.minimum(rows, num_tokens - 1)
+        ids = seq_of[rows]  # each row's request
+        # keys [lo, hi): up to the row's own position
+        hi = jnp.where(valid, position[rows] + 1, 0)
         lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
-        # From the page of its first query's first key: the pages before it may
-        # already be back in the pool (hybrid KV cache).
-        first_page = lo[:, 0] // page_size
-        qb = q[rows].reshape(block, queries, kv_heads, group, head_dim)
-        qb = qb.transpose(0, 2, 1, 3, 4).astype(jnp.float32)  # [D, K, Q, G, H]
+        # Each request reads from the page holding its window's first key: the
+        # pages before it may already be back in the pool (hybrid KV cache).
+        first_page = lo // page_size
+        qb = q[rows].reshape(block, kv_heads, group, head_dim).astype(jnp.float32)
 
         def key_step(c, carry):
-            keys, values = _gather_keys(paged, reqs, first_page, c, pages)  # [D, S*B, K, H]
+            keys, values = _gather_keys(paged, ids, first_page, c, pages)  # [D, S*B, K, H]
             keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-            s = scale(lax.dot_general(qb, keys, heads_first))  # [D, K, Q, G, S*B]
+            s = scale(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
             pos = (first_page * page_size)[:, None] + c * block_keys + jnp.arange(block_keys)
-            mask = (pos[:, None] >= lo[..., None]) & (pos[:, None] < hi[..., None])
-            return _online_softmax_step(  # carry: [D, K, Q, G] twice, [D, K, Q, G, H]
-                carry, s, values, mask[:, None, :, None],
-                lambda p, vals: lax.dot_general(p, vals, keys_summed))
+            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
+            return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
+                carry, s, values, mask, lambda p, vals: lax.dot_general(p, vals, keys_summed))
 
-        steps = -(-(hi.max(axis=1) - first_page * page_size) // block_keys)
-        o = _attend_key_blocks(key_step, 0, jnp.where(live, steps, 0).max(),
-                               (block, kv_heads, queries, group), head_dim)
-        o = o.transpose(0, 2, 1, 3, 4).reshape(block * queries, num_heads, head_dim)
-        return out.at[jnp.where(is_query, rows, out.shape[0]).reshape(-1)].set(
-            o.astype(q.dtype), mode="drop")
+        steps = -(-(hi - first_page * page_size) // block_keys)
+        o = _attend_key_blocks(key_step, 0, jnp.where(valid, steps, 0).max(),
+                               (block, kv_heads, group), head_dim)  # [D, K, G, H]
+        o = o.reshape(block, num_heads, head_dim)
+        return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
 
-    def attend(block, queries):
-        body = functools.partial(request_block, block=block, queries=queries)
-        return lambda out: lax.fori_loop(0, -(-num_short // block), body, out)
+    def attend(block):
+        body = functools.partial(request_block, block=block)
+        return lambda out: lax.fori_loop(0, -(-num_decode // block), body, out)
 
-    # A query a request, or up to SHORT_QUERIES; the smallest block holding them all.
-    sizes = sorted({1, min(4, block), block})
-    branches = [attend(size, queries) for queries in (1, SHORT_QUERIES) for size in sizes]
-    several = (jnp.where(is_short, q_lens, 0).max() > 1).astype(jnp.int32)
-    branch = len(sizes) * several + sum((num_short > n).astype(jnp.int32) for n in sizes[:-1])
-    return lax.switch(branch, branches, out)
+    sizes = sorted({1, min(4, block), block})  # the smallest that holds every decode
+    branch = sum((num_decode > size).astype(jnp.int32) for size in sizes[:-1])
+    return lax.switch(branch, [attend(size) for size in sizes], out)
 
 
 def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, q_block,
@@ -288,7 +286,8 @@ def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_windo
     """Attends the requests of more than SHORT_QUERIES queries, `q_block` queries of
     one request at a time, into their rows of out."""
     num_heads, head_dim = q.shape[1:]
-    kv_heads, group = paged.kv_heads, num_heads // paged.kv_heads
+    kv_heads = paged.kv_heads
+    group = num_heads // kv_heads
     page_size = paged.kv_cache.shape[1]
     pages = max(1, kv_block // page_size)
     block_keys = pages * page_size
@@ -300,7 +299,8 @@ def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_windo
 
     def request(i, out):
         r = prefill_ids[i]
-        q_len, kv_len, context = q_lens[r], seq_lens[r], seq_lens[r] - q_lens[r]
+        q_len, kv_len = q_lens[r], seq_lens[r]
+        context = kv_len - q_len
 
         def query_block(b, out):
             row0 = cu_q_lens[r] + b * q_block
