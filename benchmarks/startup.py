@@ -137,9 +137,14 @@ def first_tokens(server, probes: list[tuple[int, int]], vocab: int, seed: int) -
 
     async def run() -> list[dict]:
         client = server.async_client()
-        model = (await client.models.list()).data[0].id
+        card = (await client.models.list()).data[0]
+        model, limit = card.id, getattr(card, "max_model_len", None)
         rows = []
         for tokens, concurrency in probes:
+            if limit is not None and tokens + 2 > limit:  # the prompt and its 2 tokens
+                print(f"probe {tokens}x{concurrency} skipped: over the server's "
+                      f"max_model_len ({limit})")
+                continue
             prompts = [rng.integers(3, vocab, tokens).tolist() for _ in range(concurrency)]
             times = await asyncio.gather(*[one(client, model, p) for p in prompts])
             rows.append({"prompt_tokens": tokens, "concurrency": concurrency,

@@ -104,6 +104,7 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         model = str(DEFAULT_MODEL)
         if not _given(vllm_args, "--served-model-name"):
             vllm_args += ["--served-model-name", DEFAULT_NAME]
+    host.set_xla_cpu_threads(env, checkpoint_bytes(model))
     if args.speculative:
         if args.speculative == "eagle3" and model != str(DEFAULT_MODEL):
             raise ValueError("--speculative eagle3 is the demo model's draft; for " + model +
@@ -127,6 +128,16 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
     command = [sys.executable, "-m", "tpu_models.server.vllm_main", "serve", model, *vllm_args]
     return command, env
+
+
+def checkpoint_bytes(model: str) -> int | None:
+    """The size of a local checkpoint's weight files; None where it is not a
+    local directory (object storage, a hub name)."""
+    path = Path(model)
+    if is_object_storage(model) or not path.is_dir():
+        return None
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt")
+               for f in path.glob(pattern))
 
 
 def emulated_storage(env: dict) -> None:

@@ -3,8 +3,11 @@ lines tpu_models.logs silences; those filters drop only what they name."""
 
 import contextlib
 import logging
+import os
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +122,41 @@ def test_off_tpu_the_engine_core_is_forked_and_compiles_in_parallel():
     on_tpu = {}
     assert host.setup_host("tpu", on_tpu) is None
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in on_tpu and "NUM_PRECOMPILE_WORKERS" not in on_tpu
+
+
+def test_xla_cpu_threads_leave_the_engine_a_core_for_small_checkpoints(tmp_path):
+    from tpu_models import host
+    from tpu_models.server.serve import build_command
+
+    assert host.xla_cpu_threads(14 << 20, 8) == 7 and host.xla_cpu_threads(14 << 20, 2) == 1
+    assert host.xla_cpu_threads(14 << 20, 1) is None  # nothing to leave
+    assert host.xla_cpu_threads(1200 << 20, 8) is None  # a 0.6B step needs every core
+    assert host.xla_cpu_threads(None, 8) is None  # object storage, a hub name: unknown
+    cores = len(os.sched_getaffinity(0))
+    _, env = build_command([], {})  # the demo: 14 MB
+    assert env.get("NPROC") == (str(cores - 1) if cores > 1 else None)
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "model.safetensors", "wb") as f:
+        f.truncate(host.SMALL_CHECKPOINT_BYTES + 1)  # sparse: only its size is read
+    assert "NPROC" not in build_command([str(big)], {})[1]
+    assert build_command([], {"NPROC": "2"})[1]["NPROC"] == "2"  # the user's, kept
+    assert "NPROC" not in build_command(["--device", "tpu"], {})[1]
+    # host callbacks that run programs of their own, several devices: XLA's default
+    for env in ({"TPU_MODELS_ATTENTION": "rpa-reference"}, {"TPU_MODELS_ATTENTION": "rpa-interpret"},
+                {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+                {"JAX_NUM_CPU_DEVICES": "2"}):
+        assert "NPROC" not in build_command([], env)[1], env
+    assert build_command([], {"TPU_MODELS_ATTENTION": "portable"})[1].get("NPROC") == (
+        str(cores - 1) if cores > 1 else None)
+
+
+def test_xla_cpu_sizes_its_pool_from_nproc():
+    # What set_xla_cpu_threads relies on: XLA:CPU's pool (its threads are named
+    # tf_XLAEigen) has NPROC threads.
+    code = ("import os, jax; jax.devices(); print(sum(open(f'/proc/self/task/{t}/comm').read()"
+            ".strip() == 'tf_XLAEigen' for t in os.listdir('/proc/self/task')))")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NPROC": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "1"

@@ -7,6 +7,7 @@ vLLM process.
 
 import glob
 import os
+import re
 
 # tpu-inference reads these to describe the TPU slice; unset, it asks the cloud
 # metadata server, which must never be contacted from a non-TPU host.
@@ -46,6 +47,44 @@ def setup_host(device: str = "auto", env=None) -> str | None:
     # JAX's persistent cache skips compilations under 1 s by default: most of ours.
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return platform
+
+
+# XLA:CPU runs a step's operations on a pool of one thread per core; its NPROC
+# variable sets the count. A small model's step is mostly the engine's Python
+# work (inputs, dispatches, read-backs), and a pool on every core takes the core
+# that work needs: the demo model served with one thread on this 2-core host
+# answered 13% faster (plain) and 25% faster (EAGLE-3), while a 0.6B model's
+# step took 36% longer (benchmarks/README.md, "XLA:CPU threads").
+SMALL_CHECKPOINT_BYTES = 64 << 20
+XLA_CPU_THREADS_ENV = "NPROC"
+
+
+def xla_cpu_threads(checkpoint_bytes: int | None, cores: int) -> int | None:
+    """XLA:CPU's pool size for a checkpoint of this many bytes (None: unknown) on
+    this many cores: all but one for a small checkpoint; None keeps XLA's own."""
+    if checkpoint_bytes is None or checkpoint_bytes > SMALL_CHECKPOINT_BYTES or cores < 2:
+        return None
+    return cores - 1
+
+
+def set_xla_cpu_threads(env, checkpoint_bytes: int | None) -> None:
+    """Off-TPU, sizes XLA:CPU's pool for the checkpoint unless `env` sets it. Not
+    with several (fake) devices, nor with the RPA reference or interpreter: their
+    host callbacks run programs of their own, which wait for the pool thread the
+    step holds (with one thread, a hang)."""
+    if (host_platform_of(env) != "cpu" or XLA_CPU_THREADS_ENV in env
+            or env.get(ATTENTION_ENV, "").strip() not in ("", "portable")
+            or fake_devices(env) > 1):
+        return
+    threads = xla_cpu_threads(checkpoint_bytes, len(os.sched_getaffinity(0)))
+    if threads is not None:
+        env[XLA_CPU_THREADS_ENV] = str(threads)
+
+
+def fake_devices(env) -> int:
+    """The CPU devices XLA_FLAGS or JAX_NUM_CPU_DEVICES ask JAX for (1: unset)."""
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
+    return max(int(flag.group(1)) if flag else 1, int(env.get("JAX_NUM_CPU_DEVICES") or 1))
 
 
 def set_tpu_identity(env) -> None:
