@@ -52,9 +52,9 @@ def setup_host(device: str = "auto", env=None) -> str | None:
 # XLA:CPU runs a step's operations on a pool of one thread per core; its NPROC
 # variable sets the count. A small model's step is mostly the engine's Python
 # work (inputs, dispatches, read-backs), and a pool on every core takes the core
-# that work needs: the demo model served with one thread on this 2-core host
-# answered 13% faster (plain) and 25% faster (EAGLE-3), while a 0.6B model's
-# step took 36% longer (benchmarks/README.md, "XLA:CPU threads").
+# that work needs: the demo served with one thread on a 2-core host gave 1.19x
+# (plain) and 1.14x (EAGLE-3) the output tok/s, while a 0.6B model's step took
+# 36% longer (benchmarks/README.md, "the cores but one for small checkpoints").
 SMALL_CHECKPOINT_BYTES = 64 << 20
 XLA_CPU_THREADS_ENV = "NPROC"
 
@@ -69,9 +69,9 @@ def xla_cpu_threads(checkpoint_bytes: int | None, cores: int) -> int | None:
 
 def set_xla_cpu_threads(env, checkpoint_bytes: int | None) -> None:
     """Off-TPU, sizes XLA:CPU's pool for the checkpoint unless `env` sets it. Not
-    with several (fake) devices, nor with the RPA reference or interpreter: their
-    host callbacks run programs of their own, which wait for the pool thread the
-    step holds (with one thread, a hang)."""
+    where programs must run at once on one pool: the RPA reference's and
+    interpreter's host callbacks run programs of their own, which waited for the
+    thread the step held (a hang), and fake devices' collectives wait for each other."""
     if (host_platform_of(env) != "cpu" or XLA_CPU_THREADS_ENV in env
             or env.get(ATTENTION_ENV, "").strip() not in ("", "portable")
             or fake_devices(env) > 1):
