@@ -131,13 +131,13 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
 
 
 def checkpoint_bytes(model: str) -> int | None:
-    """The size of a local checkpoint's weight files; None where it is not a
-    local directory (object storage, a hub name)."""
+    """The size of a local checkpoint's weights, the safetensors files we load (a
+    repository may ship pickles beside them); None where it is not a local
+    directory (object storage, a hub name)."""
     path = Path(model)
     if is_object_storage(model) or not path.is_dir():
         return None
-    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt")
-               for f in path.glob(pattern))
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def emulated_storage(env: dict) -> None:

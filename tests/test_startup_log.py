@@ -133,13 +133,19 @@ def test_xla_cpu_threads_leave_the_engine_a_core_for_small_checkpoints(tmp_path)
     assert host.xla_cpu_threads(1200 << 20, 8) is None  # a 0.6B step needs every core
     assert host.xla_cpu_threads(None, 8) is None  # object storage, a hub name: unknown
     cores = len(os.sched_getaffinity(0))
-    _, env = build_command([], {})  # the demo: 14 MB
-    assert env.get("NPROC") == (str(cores - 1) if cores > 1 else None)
+    demo = str(cores - 1) if cores > 1 else None  # the demo: 14 MB
+    assert build_command([], {})[1].get("NPROC") == demo
     big = tmp_path / "big"
     big.mkdir()
     with open(big / "model.safetensors", "wb") as f:
         f.truncate(host.SMALL_CHECKPOINT_BYTES + 1)  # sparse: only its size is read
     assert "NPROC" not in build_command([str(big)], {})[1]
+    (big / "model.safetensors").unlink()
+    with open(big / "model.safetensors", "wb") as f:
+        f.truncate(host.SMALL_CHECKPOINT_BYTES // 2)
+    with open(big / "pytorch_model.bin", "wb") as f:  # a pickle beside it: never loaded
+        f.truncate(host.SMALL_CHECKPOINT_BYTES // 2 + 1)
+    assert build_command([str(big)], {})[1].get("NPROC") == demo
     assert build_command([], {"NPROC": "2"})[1]["NPROC"] == "2"  # the user's, kept
     assert "NPROC" not in build_command(["--device", "tpu"], {})[1]
     # host callbacks that run programs of their own, several devices: XLA's default
@@ -147,8 +153,7 @@ def test_xla_cpu_threads_leave_the_engine_a_core_for_small_checkpoints(tmp_path)
                 {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
                 {"JAX_NUM_CPU_DEVICES": "2"}):
         assert "NPROC" not in build_command([], env)[1], env
-    assert build_command([], {"TPU_MODELS_ATTENTION": "portable"})[1].get("NPROC") == (
-        str(cores - 1) if cores > 1 else None)
+    assert build_command([], {"TPU_MODELS_ATTENTION": "portable"})[1].get("NPROC") == demo
 
 
 def test_xla_cpu_sizes_its_pool_from_nproc():

@@ -73,7 +73,7 @@ def set_xla_cpu_threads(env, checkpoint_bytes: int | None) -> None:
     interpreter's host callbacks run programs of their own, which waited for the
     thread the step held (a hang), and fake devices' collectives wait for each other."""
     if (host_platform_of(env) != "cpu" or XLA_CPU_THREADS_ENV in env
-            or env.get(ATTENTION_ENV, "").strip() not in ("", "portable")
+            or attention_mode(env) != "portable"
             or fake_devices(env) > 1):
         return
     threads = xla_cpu_threads(checkpoint_bytes, len(os.sched_getaffinity(0)))
