@@ -92,11 +92,8 @@ def _online_softmax_step(carry, scores, values, mask, weigh_values):
 
 
 def _attend_key_blocks(key_step, first, last, rows, head_dim):
-    """Runs key_step over key blocks [first, last) from an empty softmax.
-
-    rows: the shape of the softmax state (one entry per query and head).
-    Returns the attention [*rows, H] in fp32.
-    """
+    """Runs key_step over key blocks [first, last) from an empty softmax whose
+    state has shape `rows` (an entry per query and head) -> attention [*rows, H] in fp32."""
     init = (jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, head_dim), jnp.float32))
     _, l, acc = lax.fori_loop(first, last, key_step, init)
@@ -196,6 +193,14 @@ def ragged_paged_attention(
     return out[:num_tokens], kv_cache
 
 
+def write_kv_cache(kv_cache, k, v, seq_lens, block_tables, cu_q_lens, num_seqs):
+    """A step's keys and values [T, K, H] written as ragged_paged_attention writes them."""
+    max_seqs = seq_lens.shape[0]
+    seq, pos, valid = _token_requests(cu_q_lens[:max_seqs + 1], seq_lens, num_seqs,
+                                      jnp.arange(max_seqs) < num_seqs, k.shape[0])
+    return _write_kv(kv_cache, k, v, block_tables.reshape(max_seqs, -1), seq, pos, valid)
+
+
 def _token_requests(cu_q_lens, seq_lens, num_seqs, live, num_tokens):
     """Each token row's request, its position in it, and whether it is a live
     request's (padding rows: the last request's, not valid)."""
@@ -218,16 +223,13 @@ def _decode(out, q, paged, q_lens, seq_of, position, valid, *, scale, sliding_wi
     """Attends the queries of short requests (decodes, speculative verification),
     one row per query, `block` rows at a time, into their rows of out.
 
-    A decode reads far more keys than it computes on: what costs is the copy
-    the page gather makes. So a key block of a row block is kept within
-    `block_bytes` (past the host's cache, the copy and its re-reads slow down
-    2-4x), and is copied once, heads ahead of keys, so both products are
-    batched matmuls over (row, kv head). A block copies keys for all its rows,
-    live or not: few rows (low concurrency, or an EAGLE draft's one-token
-    passes over the whole padded batch) go in smaller blocks. A short request's
-    queries attend as rows of their own, each up to its position: batched,
-    where the prefill path would take the requests one after another.
-    """
+    A decode reads far more keys than it computes on: what costs is the page
+    gather's copy, so a row block's key block stays within `block_bytes` (past
+    the host's cache it slows 2-4x) and is copied once, heads ahead of keys:
+    both products are batched matmuls over (row, kv head). A block copies keys
+    for all its rows, live or not, so few rows go in smaller blocks. A short
+    request's queries are rows of their own, each up to its position: batched,
+    where the prefill path would take the requests one after another."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = paged.kv_heads
     group = num_heads // kv_heads
@@ -371,10 +373,8 @@ class PortableAttentionBackend(AttentionBackend):
 
 def sharded_attention(mesh, q, k, v, kv_cache, seq_lens, block_tables,
                       cu_q_lens, num_seqs, **kwargs):
-    """Runs ragged_paged_attention per tensor-parallel shard of the heads.
-
-    Returns (kv_cache, out) in the order tpu-inference's attention returns them.
-    """
+    """Runs ragged_paged_attention per tensor-parallel shard of the heads ->
+    (kv_cache, out), in the order tpu-inference's attention returns them."""
     tp = get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD)
     if tp > 1 and k.shape[1] < tp:
         # Fewer KV heads than shards: each shard keeps a copy of its KV head,

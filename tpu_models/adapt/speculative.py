@@ -11,6 +11,7 @@ from tpu_models.adapt.guard import EAGLE3, OFF_TPU, Patch, Target
 
 PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"
 DRAFT = "tpu_inference.models.jax.llama_eagle3.EagleLlama3ForCausalLM"
+LAYER = "tpu_inference.models.jax.llama_eagle3.Eagle3LlamaDecoderLayer"
 
 
 def eagle3_drafts_by_their_published_name() -> None:
@@ -113,8 +114,9 @@ def draft_passes_on_live_rows() -> None:
     # has a token in the step, so the token bucket bounds the live requests: the
     # passes run on min(slots, tokens) rows and the drafts are padded back. A
     # caller knowing the step's requests (adapt.spec_fusion) bounds them closer
-    # with live_rows: a prompt's 64 tokens are one request. Jitted without the
-    # original's xla_tpu_* options.
+    # with live_rows: a prompt's 64 tokens are one request. The first pass writes
+    # every token's keys and values but finishes the layer on those rows only
+    # (_first_pass_on_rows). Jitted without the original's xla_tpu_* options.
     import jax
     import jax.numpy as jnp
     from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
@@ -131,12 +133,19 @@ def draft_passes_on_live_rows() -> None:
             return every_row(self, state_leaves, kv_caches, input_ids, attn_metadata,
                              last_token_indices, target_hidden_states, num_speculative_tokens,
                              layer_name_to_kvcache_index)
-        kv_caches, hidden, residual, _ = self.model_fn(
-            state_leaves, kv_caches, input_ids, target_hidden_states, attn_metadata,
-            layer_name_to_kvcache_index, spec_step_idx=0)
-        positions, hidden, draft = self._select_inputs_for_loop_speculation(
-            state_leaves, attn_metadata.input_positions, residual[0], hidden,
-            last_token_indices[:live])
+        last = last_token_indices[:live]
+        if _first_pass_on_rows_applies(self, attn_metadata):
+            kv_caches, out, hidden = _first_pass_on_rows(
+                self, state_leaves, kv_caches, input_ids, target_hidden_states, attn_metadata,
+                last)
+            positions = attn_metadata.input_positions[last]
+            draft = self._get_draft_token_ids(state_leaves, out)
+        else:
+            kv_caches, hidden, residual, _ = self.model_fn(
+                state_leaves, kv_caches, input_ids, target_hidden_states, attn_metadata,
+                layer_name_to_kvcache_index, spec_step_idx=0)
+            positions, hidden, draft = self._select_inputs_for_loop_speculation(
+                state_leaves, attn_metadata.input_positions, residual[0], hidden, last)
         pages = attn_metadata.block_tables.shape[0] // rows  # block_tables: [rows * pages]
         seq_lens, block_tables = attn_metadata.seq_lens[:live], attn_metadata.block_tables[:live * pages]
         drafts = [draft]  # each [live]
@@ -160,6 +169,71 @@ def draft_passes_on_live_rows() -> None:
                                       out_shardings=(None, None), static_argnums=(0, 7, 8),
                                       static_argnames=("num_speculative_tokens",
                                                        "layer_name_to_kvcache_index", "live_rows"))
+
+
+def _first_pass_on_rows_applies(proposer, attn_metadata) -> bool:
+    """tpu-inference's one-layer Llama EAGLE-3 draft, one device, the portable attention
+    (whose cache layout write_kv_cache writes), keys and values not quantized."""
+    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+
+    from tpu_models.host import attention_mode
+
+    model = proposer.model
+    return (isinstance(model, EagleLlama3ForCausalLM) and len(model.model.layers) == 1
+            and proposer.mesh.size == 1 and attention_mode() == "portable"
+            and not model.model.layers[0].self_attn.kv_cache_quantized_dtype
+            and attn_metadata.input_positions.ndim == 1)
+
+
+def _first_pass_on_rows(proposer, state_leaves, kv_caches, input_ids, target_hidden, md, rows):
+    """The draft's first pass over a step's tokens, finished at `rows` only (each
+    request's last token): every token's keys and values go into the draft's cache, for
+    the later passes to attend, but queries, attention, o_proj and the MLP run on `rows`.
+    A 47-token prompt's pass computed all 64 rows of its bucket through the layer to draft
+    from one. Returns (kv_caches, the normed output [rows, D], the residual [rows, D])."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tpu_inference.layers.common.attention_interface import attention
+    from tpu_inference.models.jax.llama3 import apply_rope
+
+    from tpu_models.attention import write_kv_cache
+
+    graphdef, state = nnx.split(proposer.model)
+    model = nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), state_leaves))
+    body = model.model
+    layer = body.layers[0]
+    attn = layer.self_attn
+    # The layer's inputs, as Eagle3LlamaDecoderLayer.__call__ forms them, for every token.
+    embeds = layer.input_layernorm(body.embed_tokens(input_ids))
+    norm = (layer._norm_before_residual if getattr(layer.config, "norm_before_residual", False)
+            else layer._norm_after_residual)
+    hidden, residual = norm(target_hidden)
+    x = jnp.concatenate([embeds, hidden], axis=-1)
+
+    def rope(t, positions):
+        return apply_rope(t, positions, attn.head_dim_original, attn.rope_theta,
+                          attn.rope_scaling)
+
+    positions = md.input_positions
+    k, v = rope(attn.k_proj(x), positions), attn.v_proj(x)
+    cache = write_kv_cache(kv_caches[-1], k, v, md.seq_lens, md.block_tables,
+                           md.query_start_loc, md.request_distribution[2])
+    # Row i (request i's) attends its request's keys up to its own place, as it
+    # does in the full pass: a request of one query, at that place.
+    live = rows.shape[0]
+    context = md.seq_lens[:live] - (md.query_start_loc[1:live + 1] - rows) + 1
+    pages = md.block_tables.shape[0] // md.seq_lens.shape[0]
+    selected = dataclasses.replace(
+        md, input_positions=positions[rows], seq_lens=context,
+        query_start_loc=jnp.arange(live + 1, dtype=md.query_start_loc.dtype),
+        block_tables=md.block_tables[:live * pages])
+    q = rope(attn.q_proj(x[rows]), positions[rows])
+    cache, out = attention(cache, q, k[rows], v[rows], selected, proposer.mesh,
+                           attn.head_dim_original, update_kv_cache=False)
+    out = attn.o_proj(out) + residual[rows]
+    out = layer.mlp(layer.post_attention_layernorm(out)) + out
+    return [*kv_caches[:-1], cache], body.norm(out), out
 
 
 def draft_logits_gathered() -> None:
@@ -214,9 +288,20 @@ PATCHES = [
                "self state_leaves positions residual hidden_states last_token_indices"),
         Target(f"{PROPOSER}._update_inputs_for_loop_speculation",
                "self positions seq_lens block_tables"),
-        Target(f"{PROPOSER}._get_draft_token_ids", "self state_leaves hidden_states")),
-        "every draft pass after the first computed all request slots, live or not",
-        "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
+        Target(f"{PROPOSER}._get_draft_token_ids", "self state_leaves hidden_states"),
+        # the first pass, finished on the last rows, forms the layer's inputs as these do
+        Target(f"{LAYER}.__call__", "self kv_cache embeds hidden_states attention_metadata"),
+        Target(f"{LAYER}._norm_before_residual", "self hidden_states"),
+        Target(f"{LAYER}._norm_after_residual", "self hidden_states"),
+        Target("tpu_inference.models.jax.llama3.LlamaAttention.__call__",
+               "self kv_cache x attention_metadata"),
+        Target("tpu_inference.models.jax.llama3.apply_rope",
+               "inputs positions head_dim rope_theta rope_scaling rope_input_ordering "
+               "rope_proportion")),
+        "every draft pass after the first computed all request slots; the first finished "
+        "every token",
+        "tests/test_spec_fusion.py::"
+        "test_the_drafts_first_pass_on_last_rows_drafts_what_the_full_pass_drafts",
         draft_passes_on_live_rows, platform=OFF_TPU, speed="tpu-models bench spec"),
     Patch("EAGLE-3 draft logits gathered", EAGLE3, (
         Target(f"{DRAFT}.compute_logits", "self hidden_states"), ),
