@@ -38,8 +38,12 @@ def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
     assert spec.sharding == NamedSharding(mesh, P("data"))
     np.testing.assert_array_equal(np.asarray(spec), np.arange(4))
 
-    # Already on the device with that sharding: returned as it is.
+    # Already on the device with that sharding, or one placing it alike (the runner
+    # asks P("data") of its P() tokens, on a data axis of 1): returned as it is.
     assert utils.general_device_put(want[0], replicated) is want[0]
+    alike = NamedSharding(mesh, P("data"))
+    assert alike != replicated and want[0].sharding.is_equivalent_to(alike, 1)
+    assert utils.general_device_put(want[0], alike) is want[0]
     # Traced (qwix quantizes the model under jit): device_put's own path.
     traced = jax.jit(lambda x: utils.general_device_put(x, replicated))(want[1])
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(want[1]))

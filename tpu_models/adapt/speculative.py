@@ -301,7 +301,7 @@ PATCHES = [
         "every draft pass after the first computed all request slots; the first finished "
         "every token",
         "tests/test_spec_fusion.py::"
-        "test_the_drafts_first_pass_on_last_rows_drafts_what_the_full_pass_drafts",
+        "test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows",
         draft_passes_on_live_rows, platform=OFF_TPU, speed="tpu-models bench spec"),
     Patch("EAGLE-3 draft logits gathered", EAGLE3, (
         Target(f"{DRAFT}.compute_logits", "self hidden_states"), ),
