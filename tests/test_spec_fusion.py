@@ -66,7 +66,6 @@ def test_the_draft_passes_cover_every_request_with_few_programs():
             {tokens // 8, tokens // 4} if tokens >= 8 else {1})
 
 
-
 # An in-process EAGLE-3 engine whose draft's first pass also runs tpu-inference's own
 # pass over every row, in the same program, on the same inputs: per program run, the
 # largest gaps between the two (the rows of the step's requests; the draft's cache).
