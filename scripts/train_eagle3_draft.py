@@ -40,7 +40,7 @@ from train_default_model import encode, training_examples  # noqa: E402  (script
 ROOT = Path(__file__).parents[1]
 TARGET = ROOT / "server" / "default_model"
 AUX_LAYERS = (1, 2, 3)  # inputs of these layers of the 4-layer demo (vLLM's default repeats one)
-EXAMPLES = 2000  # of the demo's training set: their hidden states are kept in memory
+EXAMPLES = 6000  # of the demo's training set: their hidden states are kept in memory
 DRAFT_STEPS = 4  # draft positions trained (training-time test): tokens a step can propose
 
 
@@ -192,16 +192,20 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", default=str(ROOT / "server" / "default_model_eagle3"))
     parser.add_argument("--target", default=str(TARGET), help="the demo model drafted for")
+    parser.add_argument("--examples", type=int, default=EXAMPLES,
+                        help="training requests whose hidden states are kept in memory")
+    parser.add_argument("--intermediate-size", type=int,
+                        help="the draft MLP's width (default: the target's)")
     parser.add_argument("--data", choices=["templates", "free"], default="free",
                         help="the training set the demo was trained on")
     args = parser.parse_args()
 
     # The demo's own training distribution (as it was trained: --data of that run).
     examples = training_examples(args.data)
-    examples = [examples[i] for i in np.random.default_rng(0).permutation(len(examples))[:EXAMPLES]]
+    examples = [examples[i] for i in np.random.default_rng(0).permutation(len(examples))[:args.examples]]
     ids, aux, embedding, mask, target = target_features(examples, Path(args.target))
     config = eagle3.draft_config(target, aux_layers=AUX_LAYERS,
-                                 intermediate_size=target["intermediate_size"])
+                                 intermediate_size=args.intermediate_size or target["intermediate_size"])
     config["max_position_embeddings"] = target["max_position_embeddings"]
     print(f"{len(examples)} examples, {int(mask.sum())} answer positions")
     params = train(config, ids, aux, embedding, mask, args.steps, args.batch)
