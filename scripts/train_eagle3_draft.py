@@ -15,7 +15,8 @@ training distribution (the requests the demo was trained on: --data), as tpu-inf
 The embedding is the target's (the engine lends it to the draft). The loss
 counts the answer tokens only: the draft runs while the model answers.
 Run from the repo root (about 18 minutes on 2 CPU cores):
-    ./dev python scripts/train_eagle3_draft.py [--steps 1200] [--out server/default_model_eagle3]
+    ./dev python scripts/train_eagle3_draft.py [--steps 1200] [--examples 6000]
+        [--out server/default_model_eagle3]
 """
 
 import argparse
@@ -202,10 +203,11 @@ def main():
 
     # The demo's own training distribution (as it was trained: --data of that run).
     examples = training_examples(args.data)
-    examples = [examples[i] for i in np.random.default_rng(0).permutation(len(examples))[:args.examples]]
+    chosen = np.random.default_rng(0).permutation(len(examples))[:args.examples]
+    examples = [examples[i] for i in chosen]
     ids, aux, embedding, mask, target = target_features(examples, Path(args.target))
-    config = eagle3.draft_config(target, aux_layers=AUX_LAYERS,
-                                 intermediate_size=args.intermediate_size or target["intermediate_size"])
+    width = args.intermediate_size or target["intermediate_size"]
+    config = eagle3.draft_config(target, aux_layers=AUX_LAYERS, intermediate_size=width)
     config["max_position_embeddings"] = target["max_position_embeddings"]
     print(f"{len(examples)} examples, {int(mask.sum())} answer positions")
     params = train(config, ids, aux, embedding, mask, args.steps, args.batch)
