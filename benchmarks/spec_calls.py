@@ -29,7 +29,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-DRAFTS = 3
+from tpu_models.server.serve import SPECULATIVE
+
+DRAFTS = SPECULATIVE["eagle3"]["num_speculative_tokens"]
 ENGINES = {"plain": {}, "eagle3 unfused": {"TPU_MODELS_SPEC_FUSION": "0"},
            "eagle3 fused": {"TPU_MODELS_SPEC_FUSION": "1"}}
 # Trace event names (PJRT): a compiled program's execution on a device, and a jitted
@@ -46,10 +48,9 @@ def engine_run(name: str, requests: int, trace_dir: str) -> dict:
     import vllm
 
     from tpu_models.benchmarks.demo_data import held_out
-    from tpu_models.server.serve import DEFAULT_MODEL, EAGLE3_DRAFT
+    from tpu_models.server.serve import DEFAULT_MODEL
 
-    speculative = None if name == "plain" else {
-        "method": "eagle3", "model": str(EAGLE3_DRAFT), "num_speculative_tokens": DRAFTS}
+    speculative = None if name == "plain" else SPECULATIVE["eagle3"]
     llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
                    kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=256, max_num_seqs=64,
                    speculative_config=speculative)
