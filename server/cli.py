@@ -9,6 +9,8 @@ commands:
   serve    serve a model (default: the embedded demo) with the real `vllm serve`
   doctor   check this host: platform, versions, adaptations, and both architectures
            served against transformers' greedy tokens (exit 0 ok, 1 mismatch, 2 cannot run)
+  compile  compile every program serve would run on a TPU slice (--topology v6e-8), with the
+           TPU compiler, on any host: HBM per chip, KV capacity, the compiler's cost estimates
   export   convert checkpoints to HF safetensors (maxtext, tunix, lora-merge, gemma3-text)
   inspect  print a checkpoint's format, layout and tensors (HF, MaxText, Tunix, PEFT)
   bench    benchmarks: serve (vLLM's metrics), compare (vs built-in Qwen3 and transformers),
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         from tpu_models.server import serve
         serve.main(rest)
+    elif command == "compile":
+        from tpu_models.server import compile as compile_
+        compile_.main(rest)
     elif command == "doctor":
         from tpu_models.server import doctor
         doctor.main(rest)

@@ -99,14 +99,28 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         # up to this count (8, 16, ... 256 by default, the largest the slowest);
         # a CPU host is saturated long before 64 sequences a step.
         vllm_args += ["--max-num-seqs", str(CPU_MAX_SEQS)]
+    emulated_storage(env)  # adapters and drafts may be in object storage too
+    model, vllm_args = vllm_arguments(model, args, vllm_args)
+    host.set_xla_cpu_threads(env, checkpoint_bytes(model))
+    vllm_args += ["--middleware", "tpu_models.server.middleware.TpuModels"]
+    if not _given(vllm_args, "--host"):
+        vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
+    env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
+    command = [sys.executable, "-m", "tpu_models.server.vllm_main", "serve", model, *vllm_args]
+    return command, env
+
+
+def vllm_arguments(model: str | None, args: argparse.Namespace,
+                   vllm_args: list[str]) -> tuple[str, list[str]]:
+    """MODEL (default: the demo) and the `vllm serve` arguments our options stand for,
+    on any platform (`tpu-models serve` and `compile` share them)."""
+    vllm_args = list(vllm_args)
     if model is not None and is_object_storage(model) and not _given(vllm_args, "--load-format"):
         vllm_args += ["--load-format", "runai_streamer"]  # vLLM's way to object storage
-    emulated_storage(env)  # adapters and drafts may be in object storage too
     if model is None:
         model = str(DEFAULT_MODEL)
         if not _given(vllm_args, "--served-model-name"):
             vllm_args += ["--served-model-name", DEFAULT_NAME]
-    host.set_xla_cpu_threads(env, checkpoint_bytes(model))
     if args.speculative:
         if args.speculative == "eagle3" and model != str(DEFAULT_MODEL):
             raise ValueError("--speculative eagle3 is the demo model's draft; for " + model +
@@ -124,12 +138,7 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         vllm_args = _with_additional_config(vllm_args, {"check_weights": True})
     if args.quant:
         vllm_args = _with_additional_config(vllm_args, quant_rules.additional_config(args.quant))
-    vllm_args += ["--middleware", "tpu_models.server.middleware.TpuModels"]
-    if not _given(vllm_args, "--host"):
-        vllm_args += ["--host", "127.0.0.1"]  # reachable from this machine only, unless asked
-    env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
-    command = [sys.executable, "-m", "tpu_models.server.vllm_main", "serve", model, *vllm_args]
-    return command, env
+    return model, vllm_args
 
 
 def checkpoint_bytes(model: str) -> int | None:

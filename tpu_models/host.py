@@ -87,6 +87,30 @@ def fake_devices(env) -> int:
     return max(int(flag.group(1)) if flag else 1, int(env.get("JAX_NUM_CPU_DEVICES") or 1))
 
 
+# `tpu-models compile`: this process builds the engine for a TPU topology (a
+# tpu_models.topologies name) on whatever host it runs on, and compiles every
+# program for it with libtpu; JAX itself stays on the host's CPU, nothing runs.
+COMPILE_ENV = "TPU_MODELS_COMPILE_FOR"
+
+
+def compile_target(env=None) -> str | None:
+    env = os.environ if env is None else env
+    return env.get(COMPILE_ENV) or None
+
+
+def setup_compile(topology: str, env=None) -> None:
+    """Prepares `env` (default: this process's) to compile for `topology`."""
+    env = os.environ if env is None else env
+    env[COMPILE_ENV] = topology
+    env["JAX_PLATFORMS"] = "cpu"
+    # The slice tpu-inference sees (it reads its generation from here), and libtpu's
+    # own host discovery answered without a metadata server.
+    env["TPU_ACCELERATOR_TYPE"] = topology
+    env["TPU_WORKER_HOSTNAMES"] = "localhost"
+    env["TPU_SKIP_MDS_QUERY"] = "1"
+    set_tpu_identity(env)
+
+
 def set_tpu_identity(env) -> None:
     for key, value in TPU_IDENTITY.items():
         env.setdefault(key, value)
@@ -98,6 +122,8 @@ def host_platform() -> str | None:
 
 
 def host_platform_of(env) -> str | None:
+    if compile_target(env):
+        return None  # JAX runs on this host's CPU, but everything is built for the TPU
     platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if not platforms or "tpu" in platforms:
         return None
@@ -136,6 +162,9 @@ def attention_mode(env=None) -> str:
     env = os.environ if env is None else env
     value = env.get(ATTENTION_ENV, "").strip()
     off_tpu = host_platform_of(env) is not None
+    if compile_target(env) and value not in ("", "rpa"):
+        raise AttentionModeError(f"{ATTENTION_ENV}={value!r}: tpu-models compile compiles "
+                                 "the TPU's own kernel (rpa); unset it")
     if not value:
         return "portable" if off_tpu else "rpa"
     if value not in ATTENTION_MODES:

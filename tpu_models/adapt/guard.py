@@ -23,6 +23,8 @@ from collections.abc import Callable
 # The tpu-inference release these adaptations were written against.
 WRITTEN_FOR = "0.32.0"
 OFF_TPU, EVERYWHERE = "off-TPU", "every platform"
+# Installed only in `tpu-models compile`'s process (tpu_models.host.compile_target).
+COMPILING = "compiling for a TPU"
 
 
 class AdaptationError(RuntimeError):
@@ -35,6 +37,11 @@ class Feature:
     # (vllm_config, our model class) -> whether this engine needs the feature
     in_use: Callable[[object, type], bool]
     instead: str  # what a user can do while it is refused
+
+
+def _compiling() -> bool:
+    from tpu_models.host import compile_target
+    return compile_target() is not None
 
 
 def _attention_mode() -> str:
@@ -90,6 +97,8 @@ STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the
 # Speed only: refused, an EAGLE-3 step launches tpu-inference's programs one by one.
 SPEC_FUSION = Feature("EAGLE-3 verification and drafting in one program per step",
                       lambda *_: False, "")
+COMPILE_ONLY = Feature("compiling for a TPU topology (tpu-models compile)",
+                       lambda *_: _compiling(), "install tpu-inference==" + WRITTEN_FOR)
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -146,6 +155,14 @@ def host_platform_set() -> bool:
     return host_platform() is not None
 
 
+def platforms_here() -> set[str]:
+    """The `Patch.platform` values that apply in this process."""
+    from tpu_models.host import compile_target
+    if compile_target():
+        return {EVERYWHERE, COMPILING}
+    return {EVERYWHERE, OFF_TPU} if host_platform_set() else {EVERYWHERE}
+
+
 def upstream_version() -> str:
     return importlib.metadata.version("tpu-inference")
 
@@ -160,10 +177,10 @@ def refused() -> dict[str, str]:
 
 def assess(patches: list[Patch]) -> dict[str, tuple[list[Patch], list[str]]]:
     """feature name -> (its patches that apply on this host, what stops them)."""
-    off_tpu = host_platform_set()
+    here = platforms_here()
     by_feature: dict[str, list[Patch]] = {}
     for patch in patches:
-        if off_tpu or patch.platform == EVERYWHERE:
+        if patch.platform in here:
             by_feature.setdefault(patch.feature.name, []).append(patch)
     return {name: (group, [f"{p.name}: {problem}" for p in group for t in p.targets
                            if (problem := t.problem())])
@@ -182,7 +199,7 @@ def install(patches: list[Patch], log) -> None:
         where = (f"on tpu-inference {version}" if version == WRITTEN_FOR else
                  f"tpu-models adapts tpu-inference {WRITTEN_FOR}, this is {version}, and")
         reason = f"{name} is not available: {where} {'; '.join(problems)}"
-        if group[0].feature is OFF_TPU_HOST:
+        if group[0].feature in (OFF_TPU_HOST, COMPILE_ONLY):
             raise AdaptationError(f"tpu-models: {reason}. Run on a TPU host or install "
                                   f"tpu-inference=={WRITTEN_FOR}.")
         _refused[name] = reason
@@ -226,4 +243,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
             LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP,
-            SPEC_FUSION, LOG)
+            SPEC_FUSION, COMPILE_ONLY, LOG)

@@ -1,0 +1,158 @@
+"""`tpu-models compile`: every program a TPU would run, compiled for that TPU on any host.
+
+MODEL and the options are `tpu-models serve`'s (vLLM's own parser reads them).
+The engine then starts as `vllm serve` starts it (vLLM's EngineCore: the TPU
+worker, its runner, the KV cache sized from HBM, precompilation), built for
+the named slice's devices with nothing behind them (tpu_models.adapt.topology):
+no weight is read or allocated, and each program precompilation names is
+compiled by libtpu, the TPU's own compiler, and never run. The report says
+what fits in a chip's HBM, how many tokens the KV cache holds, and each
+program's cost as the compiler estimates it.
+
+Exit status: 0 everything compiled and fits; 1 a program did not compile or
+the configuration does not fit (named, with what would); 2 it could not run.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from tpu_models import host
+from tpu_models.topologies import TOPOLOGIES, UnknownTopology, topology
+
+
+class CannotRun(Exception):
+    """Exit 2: the compile could not be attempted (not a verdict on the configuration)."""
+
+
+class DoesNotCompile(Exception):
+    """Exit 1: the configuration does not compile or fit; the message says why and what would."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpu-models compile",
+        usage="tpu-models compile [MODEL] --topology NAME [--json PATH] [serve options]",
+        description="Compile every program `tpu-models serve MODEL [options]` would compile "
+                    "at start-up on a TPU slice, with the TPU compiler, on this host: no TPU "
+                    "and no weights needed (a directory with config.json and a tokenizer "
+                    "will do). Reports HBM per chip, KV-cache capacity and each program's "
+                    "cost as the compiler estimates it.",
+        epilog="Topologies: " + ", ".join(TOPOLOGIES) + " (v5litepod-N: v5e-N). Other "
+               "options are `tpu-models serve`'s and `vllm serve`'s.")
+    p.add_argument("--topology", required=True, metavar="NAME",
+                   help="the TPU slice, as Cloud TPU names it (v5e-1, v6e-8, v5p-8, ...)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report here")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    argv = list(argv)
+    model = argv.pop(0) if argv and not argv[0].startswith("-") else None
+    args, rest = parser().parse_known_args(argv)
+    try:
+        slice_ = topology(args.topology)
+        model, vllm_args = serve_arguments(model, rest)
+        prepare(slice_.name)
+    except (UnknownTopology, ValueError, host.AttentionModeError) as e:
+        sys.exit(_fail(2, f"cannot run: {e}"))
+    from tpu_models.server import compile_report
+    began = time.perf_counter()
+    try:
+        report = compile_report.build(*start_engine(model, vllm_args), slice_)
+    except CannotRun as e:
+        sys.exit(_fail(2, f"cannot run: {e}"))
+    except DoesNotCompile as e:
+        sys.exit(_fail(1, str(e)))
+    report["compile_seconds"] = round(time.perf_counter() - began, 1)
+    compile_report.show(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    status, why = compile_report.verdict(report)
+    print(f"compile: {why}", flush=True)
+    sys.exit(status)
+
+
+def _fail(status: int, why: str) -> int:
+    print(f"compile: {why}", file=sys.stderr, flush=True)
+    return status
+
+
+def serve_arguments(model: str | None, argv: list[str]) -> tuple[str, list[str]]:
+    """MODEL and `vllm serve` arguments, from `tpu-models serve`'s options."""
+    from tpu_models.quant import rules as quant_rules
+    from tpu_models.server import serve
+    args, vllm_args = serve.parser().parse_known_args(argv)
+    if args.device != "auto":
+        raise ValueError("--device: compile builds for the TPU topology, on this host's CPU")
+    try:
+        return serve.vllm_arguments(model, args, vllm_args)
+    except quant_rules.RulesError as e:
+        raise ValueError(str(e)) from None
+
+
+def prepare(topology_name: str) -> None:
+    """This process's environment, before vLLM or JAX is imported."""
+    host.setup_compile(topology_name)
+    os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # The engine runs in this process; TPU executables are not written into (or
+    # read from) the host's compilation caches.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    os.environ.setdefault("NUM_PRECOMPILE_WORKERS", str(min(os.cpu_count() or 1, 8)))
+    host.attention_mode()  # AttentionModeError: a kernel other than the TPU's
+    from tpu_models import logs
+    logs.quiet()
+
+
+def vllm_config(model: str, vllm_args: list[str]):
+    """The VllmConfig `vllm serve MODEL ARGS` would run with, from vLLM's own parser."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.plugins import load_general_plugins
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    load_general_plugins()  # our architectures and adaptations, as in `vllm serve`
+    top = FlexibleArgumentParser(prog="tpu-models compile")
+    command = ServeSubcommand()
+    command.subparser_init(top.add_subparsers())
+    args = top.parse_args(["serve", model, *vllm_args])
+    args.model = args.model_tag
+    command.validate(args)
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+def start_engine(model: str, vllm_args: list[str]):
+    """vLLM's engine core, started for the slice: (its VllmConfig, the engine core).
+    Raises DoesNotCompile for a configuration that does not fit, CannotRun otherwise."""
+    try:
+        config = vllm_config(model, vllm_args)
+    except SystemExit as e:  # argparse's own error line is already printed
+        raise CannotRun(f"bad options ({e})") from None
+    except Exception as e:
+        raise CannotRun(f"{type(e).__name__}: {e}") from e
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor import Executor
+    try:
+        core = EngineCore(config, Executor.get_class(config), log_stats=False)
+    except ValueError as e:  # the worker's and vLLM's own memory checks
+        if _about_memory(str(e)):
+            raise DoesNotCompile(f"does not fit: {e}") from e
+        raise CannotRun(f"{type(e).__name__}: {e}") from e
+    except Exception as e:
+        raise CannotRun(f"{type(e).__name__}: {e}") from e
+    return config, core
+
+
+def _about_memory(message: str) -> bool:
+    return any(word in message for word in ("KV cache", "memory", "hbm", "HBM"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

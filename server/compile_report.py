@@ -1,0 +1,197 @@
+"""What `tpu-models compile` found: memory per chip, KV capacity, each program's cost.
+
+Costs are libtpu's own estimates for the compiled programs (cost_analysis,
+memory_analysis), never measurements. `estimated_seconds` is its
+`optimal_seconds`: bytes it counts as accessed over the chip's bandwidth. It
+misses the paged KV reads inside the attention kernel (a Pallas call), so the
+decode roofline beside it adds them: weights and KV bytes read per step over
+the chip's HBM bandwidth.
+"""
+
+import re
+import sys
+
+from tpu_models.adapt import topology as abstract
+
+_COLLECTIVE = {name: re.compile(rf"\b{name}(-start)?\(") for name in (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+
+
+def program_entry(program: abstract.Program) -> dict:
+    entry = {"name": re.sub(r"^worker\d+ ", "", program.name), "tokens": program.signature.get("num_tokens"),
+             "requests": program.signature.get("num_reqs"),
+             "signature": {k: v for k, v in program.signature.items()
+                           if k not in ("num_tokens", "num_reqs")}}
+    if program.compiled is None:
+        return {**entry, "error": program.error}
+    cost, memory = _cost(program.compiled), program.compiled.memory_analysis()
+    hlo = program.compiled.as_text()
+    counts = {name: len(pattern.findall(hlo)) for name, pattern in _COLLECTIVE.items()}
+    return {**entry, "flops": cost.get("flops", 0.0),
+            "bytes_accessed": cost.get("bytes accessed", 0.0),
+            "estimated_seconds": cost.get("optimal_seconds", 0.0),
+            "all_reduces": counts["all-reduce"], "all_gathers": counts["all-gather"],
+            "other_collectives": sum(counts.values()) - counts["all-reduce"]
+            - counts["all-gather"],
+            "argument_bytes": memory.argument_size_in_bytes,
+            "output_bytes": memory.output_size_in_bytes,
+            "temp_bytes": memory.temp_size_in_bytes,
+            "compile_seconds": round(program.seconds, 2)}
+
+
+def _chip_bandwidth(mesh) -> float:
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+    with jax.set_mesh(mesh):
+        info = pltpu.get_tpu_info()  # per TensorCore, of the mesh's devices
+    return float(info.mem_bw_bytes_per_second * info.num_cores)
+
+
+def build(vllm_config, core, slice_) -> dict:
+    """The report, as a JSON-able dict (the fields `tpu-models compile --json` writes)."""
+    from tpu_inference.utils import get_device_hbm_limit
+
+    runner = core.model_executor.driver_worker.worker.model_runner
+    devices = list(runner.mesh.devices.flat)
+    chip = devices[0]
+    cache = vllm_config.cache_config
+    programs = [program_entry(p) for p in abstract.PROGRAMS]
+    compiled = [p for p in programs if "error" not in p]
+    largest = max(compiled, key=lambda p: p["temp_bytes"], default=None)
+    hbm = get_device_hbm_limit()
+    weights = max(abstract.bytes_on(d, "weights") + abstract.bytes_on(d, "draft weights")
+                  for d in devices)
+    kv = max(abstract.bytes_on(d, "kv_cache") for d in devices)
+    temp = largest["temp_bytes"] if largest else 0
+    concurrency = float(cache.kv_cache_max_concurrency or 0)
+    bandwidth = _chip_bandwidth(runner.mesh)
+    per_request = kv / concurrency if concurrency else 0
+    decode = min((p for p in compiled if p["name"] == "backbone"),
+                 key=lambda p: p["tokens"], default=None)
+    return {
+        "topology": slice_.name, "device_kind": chip.device_kind,
+        "chips": len(devices), "hosts": len({d.process_index for d in devices}),
+        "slice_chips": slice_.chips, "slice_hosts": slice_.hosts,
+        "model": vllm_config.model_config.model,
+        "architecture": (vllm_config.model_config.architectures or ["?"])[0],
+        "dtype": str(vllm_config.model_config.dtype).replace("torch.", ""),
+        "kv_cache_dtype": cache.cache_dtype,
+        "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "fits": not any("error" in p for p in programs) and weights + kv + temp <= hbm,
+        "per_chip": {"hbm_bytes": hbm, "weights_bytes": weights, "kv_cache_bytes": kv,
+                     "largest_program_temp_bytes": temp,
+                     "largest_program": _label(largest) if largest else None},
+        "kv_cache_tokens": int(cache.kv_cache_size_tokens or 0),
+        "kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": cache.block_size,
+        "max_concurrent_requests": round(concurrency, 2),
+        "decode_roofline": {
+            "bandwidth_bytes_per_second": bandwidth,
+            "weights_only_seconds": weights / bandwidth,
+            "one_request_at_max_model_len_seconds": (weights + per_request) / bandwidth,
+            "full_cache_seconds": (weights + kv) / bandwidth,
+            "program": _label(decode) if decode else None,
+            "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None},
+        "programs": programs,
+    }
+
+
+def _label(program: dict) -> str:
+    shape = ", ".join(f"{k} {v}" for k, v in (("tokens", program["tokens"]),
+                                               ("requests", program["requests"])) if v)
+    return f"{program['name']} ({shape})" if shape else program["name"]
+
+
+def verdict(report: dict) -> tuple[int, str]:
+    failed = [p for p in report["programs"] if "error" in p]
+    if failed:
+        first = failed[0]
+        return 1, (f"{len(failed)} of {len(report['programs'])} programs did not compile for "
+                   f"{report['topology']}; first: {_label(first)}: {first['error']}")
+    chip = report["per_chip"]
+    if not report["fits"]:
+        need = chip["weights_bytes"] + chip["kv_cache_bytes"] + chip["largest_program_temp_bytes"]
+        return 1, (f"does not fit {report['topology']}: {_gib(need)} per chip (weights, KV "
+                   f"cache, {chip['largest_program']}'s temporaries) of {_gib(chip['hbm_bytes'])}")
+    return 0, (f"{len(report['programs'])} programs compiled for {report['topology']}; fits: "
+               f"{_gib(chip['weights_bytes'])} weights + {_gib(chip['kv_cache_bytes'])} KV cache "
+               f"per chip, {report['kv_cache_tokens']:,} tokens, "
+               f"{report['max_concurrent_requests']:.1f} requests at {report['max_model_len']:,}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def show(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    chip = report["per_chip"]
+    console.print(f"[bold]{report['architecture']}[/bold] {report['model']} on "
+                  f"[bold]{report['topology']}[/bold] ({report['chips']} x {report['device_kind']}"
+                  f", {report['hosts']} host(s)), TP {report['tensor_parallel_size']}, "
+                  f"{report['dtype']}, KV cache {report['kv_cache_dtype']}")
+    memory = Table(title="HBM per chip", title_justify="left")
+    for column in ("HBM", "weights", "KV cache", "largest temporaries", "free"):
+        memory.add_column(column, justify="right")
+    used = chip["weights_bytes"] + chip["kv_cache_bytes"] + chip["largest_program_temp_bytes"]
+    memory.add_row(_gib(chip["hbm_bytes"]), _gib(chip["weights_bytes"]),
+                   _gib(chip["kv_cache_bytes"]),
+                   f"{_gib(chip['largest_program_temp_bytes'])} ({chip['largest_program']})",
+                   _gib(chip["hbm_bytes"] - used))
+    console.print(memory)
+    console.print(f"KV cache: {report['kv_cache_tokens']:,} tokens ({report['kv_cache_blocks']:,} "
+                  f"blocks of {report['block_size']}), {report['max_concurrent_requests']:.2f} "
+                  f"requests at --max-model-len {report['max_model_len']:,}")
+    table = Table(title="Programs (times: the compiler's estimates, not measurements)",
+                  title_justify="left")
+    for column in ("program", "variants", "tokens", "requests", "GFLOP", "MB accessed",
+                   "est. ms", "all-reduce", "all-gather", "temp MB"):
+        table.add_column(column, justify="left" if column == "program" else "right")
+    for name, group in _grouped(report["programs"]):
+        done = [p for p in group if "error" not in p]
+        table.add_row(
+            name, str(len(group)), _span(p["tokens"] for p in group),
+            _span(p["requests"] for p in group),
+            _span(round(p["flops"] / 1e9, 3) for p in done),
+            _span(round(p["bytes_accessed"] / 1e6, 1) for p in done),
+            _span(round(p["estimated_seconds"] * 1e3, 3) for p in done),
+            _span(p["all_reduces"] for p in done), _span(p["all_gathers"] for p in done),
+            _span(round(p["temp_bytes"] / 1e6, 1) for p in done))
+        for p in group:
+            if "error" in p:
+                table.add_row(f"  [red]not compiled[/red] {_label(p)}: {p['error'][:200]}")
+    console.print(table)
+    roof = report["decode_roofline"]
+    if roof["program"]:
+        console.print(
+            f"Decode step, {roof['program']}: compiler estimate "
+            f"{roof['compiler_estimate_seconds'] * 1e3:.3f} ms; HBM roofline at "
+            f"{roof['bandwidth_bytes_per_second'] / 1e9:.0f} GB/s a chip: weights only "
+            f"{roof['weights_only_seconds'] * 1e3:.3f} ms, one request at "
+            f"{report['max_model_len']:,} tokens {roof['one_request_at_max_model_len_seconds'] * 1e3:.3f}"
+            f" ms, the cache full {roof['full_cache_seconds'] * 1e3:.3f} ms (estimates, not "
+            "measurements)")
+
+
+def _grouped(programs: list[dict]):
+    groups: dict[str, list[dict]] = {}
+    for p in programs:
+        groups.setdefault(p["name"], []).append(p)
+    return groups.items()
+
+
+def _span(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    return f"{low}" if low == high else f"{low}-{high}"

@@ -1,0 +1,275 @@
+"""Compiling for a TPU topology: tpu-inference's start-up path, abstract (tpu-models compile).
+
+`tpu-models compile` runs vLLM's engine start-up (the worker, the runner, its
+KV-cache sizing and precompilation) in one process on any host. The devices
+are a TPU slice's as libtpu describes it (jax.experimental.topologies), with no
+chip behind them. Every array the start-up would allocate (weights, KV cache,
+host inputs, precompilation's dummy tensors) is a ShapeDtypeStruct placed on
+them; HBM in use is counted from those shapes; each program the runner
+precompiles is lowered and compiled by libtpu and kept, never run. Installed
+only in that process (guard.COMPILING).
+"""
+
+import dataclasses
+import functools
+import time
+
+from tpu_models.adapt.guard import COMPILING, COMPILE_ONLY, Patch, Target, rebind
+
+
+@dataclasses.dataclass
+class Program:
+    """One precompiled program: what the runner names it, its shapes, and libtpu's result."""
+    name: str
+    signature: dict  # the runner's description of the variant (num_tokens, num_reqs, ...)
+    compiled: object = None  # jax.stages.Compiled
+    error: str | None = None  # why it did not compile
+    seconds: float = 0.0
+
+
+# What this process built: the programs in precompilation order, and each abstract
+# allocation as (what it holds, its ShapeDtypeStruct).
+PROGRAMS: list[Program] = []
+ALLOCATIONS: list[tuple[str, object]] = []
+_devices: list = []
+
+
+def devices() -> list:
+    """The slice's devices (all hosts'), once installed."""
+    return list(_devices)
+
+
+def _abstract(x, sharding, holds: str):
+    import jax
+    import numpy as np
+    dtype = x.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    out = jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+    ALLOCATIONS.append((holds, out))
+    return out
+
+
+def _tracing() -> bool:
+    from jax._src import core
+    return not core.trace_state_clean()
+
+
+def bytes_on(device, holds: str | None = None) -> int:
+    """Bytes of the abstract allocations (those holding `holds`, or all) on `device`."""
+    import math
+    total = 0
+    for what, x in ALLOCATIONS:
+        if holds is not None and what != holds:
+            continue
+        if x.sharding is None or device not in x.sharding.device_set:
+            continue
+        shard = x.sharding.shard_shape(x.shape)
+        total += math.prod(shard) * x.dtype.itemsize
+    return total
+
+
+def slice_devices() -> None:
+    import jax
+    from jax.experimental import topologies
+
+    from tpu_models.host import compile_target
+    from tpu_models.topologies import topology
+
+    slice_ = topology(compile_target())
+    found = topologies.get_topology_desc(platform="tpu", topology_name=slice_.libtpu_name,
+                                         chips_per_host_bounds=slice_.host_chips).devices
+    _devices[:] = sorted(found, key=lambda d: d.id)
+    host_devices, host_local = jax.devices, jax.local_devices
+
+    def devices_(backend=None):
+        return host_devices(backend) if backend is not None else list(_devices)
+
+    def local_devices(process_index=None, backend=None, host_id=None):
+        if backend is not None:
+            return host_local(process_index, backend, host_id)
+        index = process_index or host_id or 0
+        return [d for d in _devices if d.process_index == index]
+
+    jax.devices, jax.local_devices = devices_, local_devices
+
+
+def device_name_of_slice() -> None:
+    from tpu_inference import utils
+    from tpu_inference.platforms.tpu_platform import TpuPlatform
+
+    # tpu_info asks the chips themselves; the slice's device kind says the same
+    # ("TPU v6e": fp8 KV caches then take v6e's e5m2, as on the chip).
+    TpuPlatform.get_device_name = classmethod(lambda cls, device_id=0: utils.get_device_name())
+
+
+def hbm_counted_from_shapes() -> None:
+    from tpu_inference import utils
+
+    def hbm_usage_bytes(devices):
+        limit = utils.get_device_hbm_limit()  # the worker's own table, per device kind
+        return [(bytes_on(d), limit) for d in devices]
+
+    rebind("tpu_inference.utils", "hbm_usage_bytes", hbm_usage_bytes)
+
+
+def model_built_abstractly() -> None:
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.models.common import model_loader
+    from tpu_inference.models.jax.utils.qwix import qwix_utils
+
+    def _get_nnx_model(model_class, vllm_config, rng, mesh, pooler=None, is_draft_model=False):
+        # As the loader builds a model whose weights it will load: the class under
+        # nnx.eval_shape, Qwix applied to it the way the configuration asks.
+        if getattr(model_class, "_self_manages_sharding", False):
+            raise NotImplementedError(f"{model_class.__name__} builds its own sharded weights "
+                                      "(_self_manages_sharding): it cannot be built abstractly")
+        build = functools.partial(model_class, vllm_config, rng, mesh)
+        on_abstract = qwix_utils.apply_qwix_on_abstract_model(vllm_config)
+        if on_abstract:
+            build = qwix_utils.apply_qwix_quantization(vllm_config, build, rng, mesh,
+                                                       apply_to_abstract_model=True)
+        with jax.set_mesh(mesh):
+            model = nnx.eval_shape(build, graph_updates=False)
+            if not on_abstract:  # no-op without Qwix rules
+                model = nnx.eval_shape(lambda m: qwix_utils.apply_qwix_quantization(
+                    vllm_config, m, rng, mesh, apply_to_abstract_model=False), model)
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)
+        holds = "draft weights" if is_draft_model else "weights"
+        placed = jax.tree.map(
+            lambda x, spec: _abstract(x, NamedSharding(mesh, spec or PartitionSpec()), holds),
+            state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        nnx.update(model, placed)
+        return model
+
+    model_loader._get_nnx_model = _get_nnx_model
+
+
+def caches_and_inputs_as_shapes() -> None:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.layers.common import utils as layer_utils
+    from tpu_inference.runner import kv_cache
+
+    allocator = kv_cache._get_kv_cache_allocator
+
+    def _get_kv_cache_allocator(cache_shape, cache_dtype, sharding):
+        if _tracing():  # inside a traced function (Qwix's calibration pass): as it was
+            return allocator(cache_shape, cache_dtype, sharding)
+        return lambda: _abstract(jax.ShapeDtypeStruct(cache_shape, cache_dtype), sharding,
+                                 "kv_cache")
+
+    put = layer_utils.general_device_put
+
+    def general_device_put(tensor, sharding, *, layout=None, source_mesh=None):
+        if _tracing():
+            return put(tensor, sharding, layout=layout, source_mesh=source_mesh)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            sharding = NamedSharding(jax.sharding.get_mesh(), sharding or PartitionSpec())
+        return jax.tree.map(lambda x: _abstract(x, sharding, "inputs"), tensor)
+
+    kv_cache._get_kv_cache_allocator = _get_kv_cache_allocator
+    kv_cache._get_mamba_cache_allocator = _get_kv_cache_allocator
+    rebind(layer_utils.__name__, "general_device_put", general_device_put)
+
+
+def programs_compiled_not_run() -> None:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.runner.compilation_manager import CompilationManager, _describe_signature
+    from tpu_inference.utils import to_jax_dtype
+
+    def _create_dummy_tensor(self, shape, dtype, sharding=None):
+        sharding = sharding or NamedSharding(self.runner.mesh, PartitionSpec(None))
+        return jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype), sharding=sharding)
+
+    def _run_compilation(self, name, fn, *args, call_kwargs=dict(), warmup_handler=None,
+                         aot=True, compile_only=False, **kwargs):
+        program = Program(name, _describe_signature(kwargs))
+        PROGRAMS.append(program)
+        while isinstance(fn, functools.partial):  # as upstream: the jit's own static args
+            args, call_kwargs, fn = fn.args + args, {**fn.keywords, **call_kwargs}, fn.func
+        if not hasattr(fn, "lower"):
+            program.error = "not a jitted function: it compiles when it first runs"
+            return
+        mesh = self.runner.mesh
+        try:
+            with jax.set_mesh(mesh):
+                lowered = fn.lower(*args, **call_kwargs)
+        except Exception as e:  # named in the report
+            program.error = f"lowering failed: {type(e).__name__}: {e}"
+            return
+
+        def compile_():
+            began = time.perf_counter()
+            try:
+                with jax.set_mesh(mesh):
+                    program.compiled = lowered.compile()
+            except Exception as e:
+                program.error = f"{type(e).__name__}: {e}"
+            program.seconds = time.perf_counter() - began
+
+        if self._compile_executor is None:
+            compile_()
+        else:
+            self._compile_futures.append(self._compile_executor.submit(compile_))
+
+    def _flush_compilations(self):
+        futures, self._compile_futures, self._warmup_tasks = self._compile_futures, [], []
+        for future in futures:
+            future.result()
+
+    CompilationManager._create_dummy_tensor = _create_dummy_tensor
+    CompilationManager._run_compilation = _run_compilation
+    CompilationManager._flush_compilations = _flush_compilations
+
+
+def _patch(name, targets, why, install):
+    return Patch(name, COMPILE_ONLY, tuple(Target(*t) for t in targets), why,
+                 "tests/test_compile.py", install, platform=COMPILING)
+
+
+MANAGER = "tpu_inference.runner.compilation_manager.CompilationManager"
+_RUN = "self name fn args call_kwargs warmup_handler aot compile_only kwargs"
+PATCHES = [
+    _patch("the slice's devices as this process's", [
+        ("jax.devices", "backend"), ("jax.local_devices", "process_index backend host_id")],
+        "the worker takes jax.devices(), and kernels read its device kind: the host's CPU",
+        slice_devices),
+    _patch("device name from the slice", [
+        ("tpu_inference.platforms.tpu_platform.TpuPlatform.get_device_name", "device_id"),
+        ("tpu_inference.utils.get_device_name", "num_devices")],
+        "tpu_info asks the chips, absent here: an fp8 cache took e4m3 on a v6e (e5m2 there)",
+        device_name_of_slice),
+    _patch("HBM in use counted from shapes", [
+        ("tpu_inference.utils.hbm_usage_bytes", "devices"),
+        ("tpu_inference.utils.get_device_hbm_limit", "")],
+        "memory_stats() needs a chip; the KV budget is HBM less what the weights take",
+        hbm_counted_from_shapes),
+    _patch("model built abstractly", [
+        ("tpu_inference.models.common.model_loader._get_nnx_model",
+         "model_class vllm_config rng mesh pooler is_draft_model"),
+        ("tpu_inference.models.jax.utils.qwix.qwix_utils.apply_qwix_quantization",
+         "vllm_config model_or_model_fn rng mesh apply_to_abstract_model"),
+        ("tpu_inference.models.jax.utils.qwix.qwix_utils.apply_qwix_on_abstract_model",
+         "vllm_config")],
+        "loading writes weights into device memory the slice does not have",
+        model_built_abstractly),
+    _patch("KV cache and host inputs as shapes", [
+        ("tpu_inference.runner.kv_cache._get_kv_cache_allocator",
+         "cache_shape cache_dtype sharding"),
+        ("tpu_inference.runner.kv_cache._get_mamba_cache_allocator",
+         "cache_shape cache_dtype sharding"),
+        ("tpu_inference.layers.common.utils.general_device_put",
+         "tensor sharding layout source_mesh")],
+        "the cache is allocated and host arrays put on devices the slice does not have",
+        caches_and_inputs_as_shapes),
+    _patch("programs compiled, kept, never run", [
+        (f"{MANAGER}._run_compilation", _RUN), (f"{MANAGER}._flush_compilations", "self"),
+        (f"{MANAGER}._create_dummy_tensor", "self shape dtype sharding")],
+        "precompilation runs every program once on dummy inputs after compiling it",
+        programs_compiled_not_run),
+]
