@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from tpu_models import host
@@ -46,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, metavar="NAME",
                    help="the TPU slice, as Cloud TPU names it (v5e-1, v6e-8, v5p-8, ...)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report here")
+    p.add_argument("--verbose", action="store_true",
+                   help="vLLM's and tpu-inference's start-up log, and tracebacks")
     return p
 
 
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> None:
     try:
         slice_ = topology(args.topology)
         model, vllm_args = serve_arguments(model, rest)
-        prepare(slice_.name)
+        prepare(slice_.name, args.verbose)
     except (UnknownTopology, ValueError, host.AttentionModeError) as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
     from tpu_models.server import compile_report
@@ -76,7 +79,13 @@ def main(argv: list[str]) -> None:
     sys.exit(status)
 
 
+TRACEBACKS = "TPU_MODELS_COMPILE_TRACEBACKS"
+
+
 def _fail(status: int, why: str) -> int:
+    if os.environ.get(TRACEBACKS):
+        import traceback
+        traceback.print_exc()
     print(f"compile: {why}", file=sys.stderr, flush=True)
     return status
 
@@ -94,9 +103,13 @@ def serve_arguments(model: str | None, argv: list[str]) -> tuple[str, list[str]]
         raise ValueError(str(e)) from None
 
 
-def prepare(topology_name: str) -> None:
+def prepare(topology_name: str, verbose: bool = False) -> None:
     """This process's environment, before vLLM or JAX is imported."""
     host.setup_compile(topology_name)
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    else:
+        os.environ[TRACEBACKS] = "1"
     os.environ.setdefault("MODEL_IMPL_TYPE", "flax_nnx")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     # The engine runs in this process; TPU executables are not written into (or
@@ -107,6 +120,9 @@ def prepare(topology_name: str) -> None:
     host.attention_mode()  # AttentionModeError: a kernel other than the TPU's
     from tpu_models import logs
     logs.quiet()
+    # Donation is decided per program at lowering; the warning is about buffers it can
+    # reuse on a device, and nothing runs here.
+    warnings.filterwarnings("ignore", message=logs.DONATION_WARNING)
 
 
 def vllm_config(model: str, vllm_args: list[str]):

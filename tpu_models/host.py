@@ -108,6 +108,9 @@ def setup_compile(topology: str, env=None) -> None:
     env["TPU_ACCELERATOR_TYPE"] = topology
     env["TPU_WORKER_HOSTNAMES"] = "localhost"
     env["TPU_SKIP_MDS_QUERY"] = "1"
+    # libtpu only compiles here (no chip is opened): compiles may run side by side,
+    # and vLLM's helper processes load it too.
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     set_tpu_identity(env)
 
 

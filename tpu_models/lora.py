@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tpu_inference.layers.jax.linear import JaxEinsum
+from tpu_inference.utils import device_array
 
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.lora import LoraAdapter
@@ -156,10 +157,10 @@ class AdapterSlots:
             jax.tree.map(lambda x: x.sharding, self.a), jax.tree.map(lambda x: x.sharding, self.b)))
 
     def _zeros(self, shape, axes, dtype) -> jax.Array:
-        return jax.device_put(jnp.zeros(shape, dtype), NamedSharding(self.mesh, P(*axes)))
+        return device_array(self.mesh, np.zeros(shape, dtype), sharding=NamedSharding(self.mesh, P(*axes)))
 
     def _replicated(self, array: np.ndarray) -> jax.Array:
-        return jax.device_put(array, NamedSharding(self.mesh, P()))
+        return device_array(self.mesh, array, sharding=NamedSharding(self.mesh, P()))
 
     # --- the host cache ------------------------------------------------------------
 
@@ -256,7 +257,8 @@ class AdapterSlots:
              for p, t in self.targets.items()}
         b = {p: np.asarray(weights[p][1] if p in weights else np.zeros((R, *t.outs)), self.b[p].dtype)
              for p, t in self.targets.items()}
-        self.a, self.b = self._write(self.a, self.b, a, b, np.int32(slot))
+        if not _abstract(self.a):  # `tpu-models compile`: shapes only, nothing runs
+            self.a, self.b = self._write(self.a, self.b, a, b, np.int32(slot))
         self.slot_of[lora_id] = slot
         return slot
 
@@ -278,6 +280,10 @@ class AdapterSlots:
             return False
         self._cache(request, {})
         return True
+
+
+def _abstract(buffers: dict) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in buffers.values())
 
 
 def _write_slot(a, b, new_a, new_b, slot):

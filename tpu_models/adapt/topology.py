@@ -10,9 +10,12 @@ precompiles is lowered and compiled by libtpu and kept, never run. Installed
 only in that process (guard.COMPILING).
 """
 
+import contextlib
 import dataclasses
 import functools
+import os
 import time
+import weakref
 
 from tpu_models.adapt.guard import COMPILING, COMPILE_ONLY, Patch, Target, rebind
 
@@ -25,18 +28,28 @@ class Program:
     compiled: object = None  # jax.stages.Compiled
     error: str | None = None  # why it did not compile
     seconds: float = 0.0
+    # Compiled by a warm-up call of a Python function that calls jits (`warm_up` names
+    # it), as a TPU compiles them: not ahead of time.
+    warm_up: str | None = None
 
 
-# What this process built: the programs in precompilation order, and each abstract
-# allocation as (what it holds, its ShapeDtypeStruct).
+# The programs this process compiled, in precompilation order.
 PROGRAMS: list[Program] = []
-ALLOCATIONS: list[tuple[str, object]] = []
 _devices: list = []
+# Every abstract buffer still referenced (HBM in use), by identity: buffers of the
+# same shape are equal, and each layer's KV cache is one.
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def devices() -> list:
-    """The slice's devices (all hosts'), once installed."""
-    return list(_devices)
+def _buffer_class():
+    import jax
+
+    class Buffer(jax.ShapeDtypeStruct):
+        """An array as a device would hold it, with what it holds; alive as long as
+        something refers to it (as a device buffer is)."""
+        __slots__ = ("holds", "__weakref__")
+
+    return Buffer
 
 
 def _abstract(x, sharding, holds: str):
@@ -45,9 +58,13 @@ def _abstract(x, sharding, holds: str):
     dtype = x.dtype
     if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         dtype = jax.dtypes.canonicalize_dtype(dtype)
-    out = jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
-    ALLOCATIONS.append((holds, out))
+    out = _Buffer()(np.shape(x), dtype, sharding=sharding)
+    out.holds = holds
+    _live[id(out)] = out
     return out
+
+
+_Buffer = functools.cache(_buffer_class)
 
 
 def _tracing() -> bool:
@@ -56,40 +73,51 @@ def _tracing() -> bool:
 
 
 def bytes_on(device, holds: str | None = None) -> int:
-    """Bytes of the abstract allocations (those holding `holds`, or all) on `device`."""
+    """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`."""
     import math
     total = 0
-    for what, x in ALLOCATIONS:
-        if holds is not None and what != holds:
+    for x in list(_live.values()):
+        if holds is not None and x.holds != holds:
             continue
         if x.sharding is None or device not in x.sharding.device_set:
             continue
-        shard = x.sharding.shard_shape(x.shape)
+        try:
+            shard = x.sharding.shard_shape(x.shape)
+        except ValueError:  # a spec its shape cannot split: XLA keeps it whole
+            shard = x.shape
         total += math.prod(shard) * x.dtype.itemsize
     return total
 
 
+def _slice_devices() -> list:
+    """The devices libtpu describes for the slice (first use: vLLM also loads this
+    plugin in helper processes that never ask for devices)."""
+    if not _devices:
+        from jax.experimental import topologies
+
+        from tpu_models.host import compile_target
+        from tpu_models.topologies import topology
+
+        slice_ = topology(compile_target())
+        found = topologies.get_topology_desc(platform="tpu", topology_name=slice_.libtpu_name,
+                                             chips_per_host_bounds=slice_.host_chips).devices
+        _devices[:] = sorted(found, key=lambda d: d.id)
+    return _devices
+
+
 def slice_devices() -> None:
     import jax
-    from jax.experimental import topologies
 
-    from tpu_models.host import compile_target
-    from tpu_models.topologies import topology
-
-    slice_ = topology(compile_target())
-    found = topologies.get_topology_desc(platform="tpu", topology_name=slice_.libtpu_name,
-                                         chips_per_host_bounds=slice_.host_chips).devices
-    _devices[:] = sorted(found, key=lambda d: d.id)
     host_devices, host_local = jax.devices, jax.local_devices
 
     def devices_(backend=None):
-        return host_devices(backend) if backend is not None else list(_devices)
+        return host_devices(backend) if backend is not None else list(_slice_devices())
 
     def local_devices(process_index=None, backend=None, host_id=None):
         if backend is not None:
             return host_local(process_index, backend, host_id)
         index = process_index or host_id or 0
-        return [d for d in _devices if d.process_index == index]
+        return [d for d in _slice_devices() if d.process_index == index]
 
     jax.devices, jax.local_devices = devices_, local_devices
 
@@ -133,9 +161,7 @@ def model_built_abstractly() -> None:
                                                        apply_to_abstract_model=True)
         with jax.set_mesh(mesh):
             model = nnx.eval_shape(build, graph_updates=False)
-            if not on_abstract:  # no-op without Qwix rules
-                model = nnx.eval_shape(lambda m: qwix_utils.apply_qwix_quantization(
-                    vllm_config, m, rng, mesh, apply_to_abstract_model=False), model)
+        # Each weight where the loader puts it (its partition spec)...
         state = nnx.state(model)
         specs = nnx.get_partition_spec(state)
         holds = "draft weights" if is_draft_model else "weights"
@@ -143,7 +169,13 @@ def model_built_abstractly() -> None:
             lambda x, spec: _abstract(x, NamedSharding(mesh, spec or PartitionSpec()), holds),
             state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
         nnx.update(model, placed)
-        return model
+        if on_abstract:
+            return model
+        # ... then Qwix's quantization of the loaded model (a no-op without rules): its
+        # jit compiles for the slice, and the quantized weights are placed as it places them.
+        with _calls_compile(Program("load > Qwix quantization", {}), mesh, holds):
+            return qwix_utils.apply_qwix_quantization(vllm_config, model, rng, mesh,
+                                                      apply_to_abstract_model=False)
 
     model_loader._get_nnx_model = _get_nnx_model
 
@@ -168,8 +200,11 @@ def caches_and_inputs_as_shapes() -> None:
         if _tracing():
             return put(tensor, sharding, layout=layout, source_mesh=source_mesh)
         if not isinstance(sharding, jax.sharding.Sharding):
-            sharding = NamedSharding(jax.sharding.get_mesh(), sharding or PartitionSpec())
-        return jax.tree.map(lambda x: _abstract(x, sharding, "inputs"), tensor)
+            mesh = jax.sharding.get_mesh()
+            if mesh.empty and _warming:  # a warm-up call: under its abstract mesh only
+                mesh = _warming[1]
+            sharding = NamedSharding(mesh, sharding or PartitionSpec())
+        return jax.tree.map(lambda x: _abstract(x, sharding, "host inputs"), tensor)
 
     kv_cache._get_kv_cache_allocator = _get_kv_cache_allocator
     kv_cache._get_mamba_cache_allocator = _get_kv_cache_allocator
@@ -184,7 +219,8 @@ def programs_compiled_not_run() -> None:
 
     def _create_dummy_tensor(self, shape, dtype, sharding=None):
         sharding = sharding or NamedSharding(self.runner.mesh, PartitionSpec(None))
-        return jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype), sharding=sharding)
+        return _abstract(jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype)), sharding,
+                         "precompilation inputs")
 
     def _run_compilation(self, name, fn, *args, call_kwargs=dict(), warmup_handler=None,
                          aot=True, compile_only=False, **kwargs):
@@ -192,8 +228,9 @@ def programs_compiled_not_run() -> None:
         PROGRAMS.append(program)
         while isinstance(fn, functools.partial):  # as upstream: the jit's own static args
             args, call_kwargs, fn = fn.args + args, {**fn.keywords, **call_kwargs}, fn.func
-        if not hasattr(fn, "lower"):
-            program.error = "not a jitted function: it compiles when it first runs"
+        if not hasattr(fn, "lower"):  # its jits compile when the warm-up pass calls it
+            PROGRAMS.remove(program)
+            self._warmup_tasks.append((program, fn, args, call_kwargs, warmup_handler))
             return
         mesh = self.runner.mesh
         try:
@@ -218,13 +255,150 @@ def programs_compiled_not_run() -> None:
             self._compile_futures.append(self._compile_executor.submit(compile_))
 
     def _flush_compilations(self):
-        futures, self._compile_futures, self._warmup_tasks = self._compile_futures, [], []
+        futures, self._compile_futures = self._compile_futures, []
+        tasks, self._warmup_tasks = self._warmup_tasks, []
         for future in futures:
             future.result()
+        for task, fn, args, call_kwargs, handler in tasks:
+            try:  # called with shapes: each jit it calls compiles, returns shapes
+                with _calls_compile(task, self.runner.mesh):
+                    handler(fn, args, call_kwargs) if handler else fn(*args, **call_kwargs)
+            except Exception as e:
+                if os.environ.get("TPU_MODELS_COMPILE_TRACEBACKS"):
+                    import traceback
+                    traceback.print_exc()
+                PROGRAMS.append(dataclasses.replace(
+                    task, error=f"its warm-up call failed: {type(e).__name__}: {e}"))
 
     CompilationManager._create_dummy_tensor = _create_dummy_tensor
     CompilationManager._run_compilation = _run_compilation
     CompilationManager._flush_compilations = _flush_compilations
+
+
+_warming: list = []  # the call under way: its task, its mesh, what its outputs hold
+
+
+@contextlib.contextmanager
+def _calls_compile(task: Program, mesh, holds: str | None = None):
+    """Calls of jitted functions with abstract arguments compile for the slice and
+    return abstract outputs (warmed_up_jits_compiled), as `task`'s programs. Under
+    the slice's abstract mesh only: arrays made eagerly are made on the host."""
+    import jax
+    _warming[:] = [task, mesh, holds]
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
+    finally:
+        _warming.clear()
+
+
+def _holds_like(aval, sharding, args) -> str:
+    """What an output holds: an input of its shape and placement (a donated KV cache,
+    updated) holds the same; anything else is the call's own output."""
+    for a in args:
+        if (getattr(a, "holds", None) and a.shape == aval.shape and a.dtype == aval.dtype
+                and a.sharding.is_equivalent_to(sharding, len(a.shape))):
+            return a.holds
+    return "warm-up outputs"
+
+
+def warmed_up_jits_compiled() -> None:
+    import jax
+    from jax._src.interpreters import pxla
+
+    build = pxla.MeshExecutable.unsafe_call.fget
+
+    def unsafe_call(self):
+        if not _warming:
+            return build(self)
+
+        def compiled_for_the_slice(*args):
+            if not any(isinstance(a, jax.ShapeDtypeStruct) for a in args):
+                return build(self)(*args)
+            task = _warming[0]
+            name = self.xla_executable.hlo_modules()[0].name.removeprefix("jit_")
+            PROGRAMS.append(dataclasses.replace(task, name=f"{task.name} > {name}",
+                                                compiled=self, warm_up=task.name))
+            holds = _warming[2]
+            return [_abstract(aval, sharding, holds or _holds_like(aval, sharding, args))
+                    for aval, sharding in zip(self.out_avals, self._out_shardings)]
+
+        return compiled_for_the_slice
+
+    pxla.MeshExecutable.unsafe_call = property(unsafe_call)
+
+
+class _JaxEagerOnHost:
+    """jax, except that `set_mesh` of the slice's mesh sets only its abstract mesh: an
+    array created eagerly inside (jnp.ones) is made on the host and then placed, as
+    shapes, by device_array; on the slice's devices it could not be made at all."""
+
+    def __init__(self, jax):
+        self._jax = jax
+
+    def __getattr__(self, name):
+        return getattr(self._jax, name)
+
+    def set_mesh(self, mesh):
+        return self._jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def precompilation_eager_on_host() -> None:
+    import jax
+    from tpu_inference.runner import compilation_manager
+
+    compilation_manager.jax = _JaxEagerOnHost(jax)
+
+
+class _EmbeddingAnswers:
+    """jax.numpy, except that `any` and `array_equal` of abstract values answer what
+    the draft's checkpoint says: whether it ships an embedding of its own."""
+
+    def __init__(self, real, own_embedding: bool):
+        self.real, self.own = real, own_embedding
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _abstract(self, *xs) -> bool:
+        import jax
+        return any(isinstance(x, jax.ShapeDtypeStruct) for x in xs)
+
+    def any(self, x, *args, **kwargs):
+        return self.own if self._abstract(x) else self.real.any(x, *args, **kwargs)
+
+    def array_equal(self, a, b, *args, **kwargs):
+        return False if self._abstract(a, b) else self.real.array_equal(a, b, *args, **kwargs)
+
+
+def _ships_embedding(draft: str) -> bool:
+    """Whether a draft checkpoint holds an embedding (a directory of safetensors);
+    EAGLE-3 drafts usually do not, and borrow the target's."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    for file in sorted(Path(draft).glob("*.safetensors")) if Path(draft).is_dir() else ():
+        with safe_open(file, "np") as f:
+            if any("embed_tokens" in name for name in f.keys()):
+                return True
+    return False
+
+
+def draft_embedding_from_its_checkpoint() -> None:
+    from tpu_inference.spec_decode.jax import eagle3
+
+    original = eagle3.Eagle3Proposer.load_model
+
+    def load_model(self, target_model):
+        draft = self.vllm_config.speculative_config.draft_model_config.model
+        answers = _EmbeddingAnswers(eagle3.jnp, _ships_embedding(draft))
+        eagle3.jnp = answers
+        try:
+            return original(self, target_model)
+        finally:
+            eagle3.jnp = answers.real
+
+    eagle3.Eagle3Proposer.load_model = load_model
 
 
 def _patch(name, targets, why, install):
@@ -258,6 +432,10 @@ PATCHES = [
          "vllm_config")],
         "loading writes weights into device memory the slice does not have",
         model_built_abstractly),
+    _patch("EAGLE-3 draft embedding decided by its checkpoint", [
+        ("tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer.load_model", "self target_model")],
+        "the drafter borrows the target's embedding if its own is all zeros: values, absent here",
+        draft_embedding_from_its_checkpoint),
     _patch("KV cache and host inputs as shapes", [
         ("tpu_inference.runner.kv_cache._get_kv_cache_allocator",
          "cache_shape cache_dtype sharding"),
@@ -272,4 +450,12 @@ PATCHES = [
         (f"{MANAGER}._create_dummy_tensor", "self shape dtype sharding")],
         "precompilation runs every program once on dummy inputs after compiling it",
         programs_compiled_not_run),
+    _patch("warm-up calls compile their jits, run none", [
+        ("jax._src.interpreters.pxla.MeshExecutable.unsafe_call.fget", "self")],
+        "a function that is no jit compiles its jits when the warm-up pass calls it",
+        warmed_up_jits_compiled),
+    _patch("precompilation's eager arrays made on the host", [
+        (f"{MANAGER}.capture_model", "self"), ("jax.set_mesh", "mesh")],
+        "an array made eagerly under the slice's mesh (jnp.ones) cannot be made: no chip",
+        precompilation_eager_on_host),
 ]
