@@ -42,6 +42,16 @@ SHAPES = {
     "qwen3-0.6b": dict(arch="qwen3-structural", num_layers=28, hidden_size=1024,
                        intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151_936),
+    # Qwen3-1.7B, 4B and 8B shapes (8B's embedding is not tied), compiled for TPUs only
+    "qwen3-1.7b": dict(arch="qwen3-structural", num_layers=28, hidden_size=2048,
+                       intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151_936),
+    "qwen3-4b": dict(arch="qwen3-structural", num_layers=36, hidden_size=2560,
+                     intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151_936),
+    "qwen3-8b": dict(arch="qwen3-structural", num_layers=36, hidden_size=4096,
+                     intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151_936, tie_word_embeddings=False),
     # Gemma 3 1B (26 layers, 22 local with window 512, vocabulary 262,144)
     "gemma3-1b": dict(arch="gemma3", num_layers=26, hidden_size=1152, intermediate_size=6912,
                       num_attention_heads=4, num_key_value_heads=1, head_dim=256,
@@ -102,7 +112,8 @@ def shape_config(shape: str, **overrides) -> dict:
     if arch == "gemma3":
         config = Gemma3TextConfig(num_hidden_layers=layers, **fields).to_dict()
         return config | {"architectures": ["Gemma3ForCausalLM"]}
-    config = Qwen3Config(num_hidden_layers=layers, tie_word_embeddings=True, **fields).to_dict()
+    fields.setdefault("tie_word_embeddings", True)
+    config = Qwen3Config(num_hidden_layers=layers, **fields).to_dict()
     return config | {"architectures": ["Qwen3StructuralForCausalLM"]}
 
 

@@ -1,4 +1,9 @@
-"""KV cache: sliding-window layers of our models get vLLM's hybrid KV cache.
+"""KV cache: its budget as asked, and sliding-window layers in vLLM's hybrid KV cache.
+
+tpu-inference's worker sizes the cache from --gpu-memory-utilization alone; vLLM's
+--kv-cache-memory-bytes, which the GPU and CPU workers honour, was ignored on a
+TPU. It is honoured here, as off-TPU (adapt.host_portability) and in `tpu-models
+compile`.
 
 tpu-inference gives every flax_nnx layer a FullAttentionSpec, so a Gemma 3 local
 layer (window 512) kept the whole context. With a SlidingWindowSpec vLLM's hybrid
@@ -10,7 +15,26 @@ into full ones. tpu-inference's own models are left as they are.
 
 import dataclasses
 
-from tpu_models.adapt.guard import HYBRID_KV, Patch, Target, our_model
+from tpu_models.adapt.guard import HYBRID_KV, KV_BUDGET, Patch, Target, our_model
+
+
+def kv_cache_memory_bytes_honoured() -> None:
+    from tpu_inference.logger import init_logger
+    from tpu_inference.worker.tpu_worker import TPUWorker
+
+    original = TPUWorker.determine_available_memory
+
+    from tpu_models.host import host_platform
+
+    def determine_available_memory(self) -> int:
+        budget = self.cache_config.kv_cache_memory_bytes
+        if not budget or host_platform() is not None:  # off-TPU: the host's own sizing
+            return original(self)
+        init_logger("tpu_models.adapt").info(
+            "tpu-models: KV cache budget %.2f GiB (--kv-cache-memory-bytes)", budget / 2**30)
+        return int(budget)
+
+    TPUWorker.determine_available_memory = determine_available_memory
 
 
 def sliding_window_kv_cache_groups() -> None:
@@ -64,6 +88,11 @@ def overlaid_tensors(kv_cache_config) -> list:
 
 MANAGER = "tpu_inference.runner.kv_cache_manager.KVCacheManager"
 PATCHES = [
+    Patch("--kv-cache-memory-bytes honoured", KV_BUDGET, (
+        Target("tpu_inference.worker.tpu_worker.TPUWorker.determine_available_memory", "self"),),
+        "on a TPU the flag was ignored: the cache took --gpu-memory-utilization of HBM",
+        "tests/test_compile.py::test_kv_cache_memory_bytes_sizes_the_cache_on_a_tpu",
+        kv_cache_memory_bytes_honoured, upstream="none filed"),
     Patch("sliding-window KV cache groups", HYBRID_KV, (
         Target(f"{MANAGER}.get_kv_cache_spec", "self"),
         Target(f"{MANAGER}.initialize_kv_cache", "self kv_cache_config"),
