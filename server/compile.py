@@ -16,6 +16,7 @@ the configuration does not fit (named, with what would); 2 it could not run.
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -29,8 +30,12 @@ class CannotRun(Exception):
     """Exit 2: the compile could not be attempted (not a verdict on the configuration)."""
 
 
-class DoesNotCompile(Exception):
-    """Exit 1: the configuration does not compile or fit; the message says why and what would."""
+class DoesNotFit(Exception):
+    """Exit 1: start-up's own memory checks refuse the configuration."""
+
+    def __init__(self, message: str, config):
+        super().__init__(message)
+        self.config = config
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,21 +67,34 @@ def main(argv: list[str]) -> None:
         prepare(slice_.name, args.verbose)
     except (UnknownTopology, ValueError, host.AttentionModeError) as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
-    from tpu_models.server import compile_report
+    from tpu_models.server import compile_advice, compile_report
     began = time.perf_counter()
     try:
-        report = compile_report.build(*start_engine(model, vllm_args), slice_)
+        config, core = start_engine(model, vllm_args)
     except CannotRun as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
-    except DoesNotCompile as e:
-        sys.exit(_fail(1, str(e)))
+    except DoesNotFit as e:
+        _advise(compile_advice.what_would_fit(e.config, str(e)))
+        sys.exit(_fail(1, f"does not fit {slice_.name}: {e}"))
+    report = compile_report.build(config, core, slice_)
     report["compile_seconds"] = round(time.perf_counter() - began, 1)
     compile_report.show(report)
+    status, why = compile_report.verdict(report)
+    if status == 1:
+        excess = compile_report.needed(report) - report["per_chip"]["hbm_bytes"]
+        report["what_would_fit"] = compile_advice.what_would_fit(config, why, excess)
+        _advise(report["what_would_fit"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    status, why = compile_report.verdict(report)
     print(f"compile: {why}", flush=True)
     sys.exit(status)
+
+
+def _advise(lines: list[str]) -> None:
+    if lines:
+        print("What would fit (estimates; compile again to check):", flush=True)
+        for line in lines:
+            print(f"  {line}", flush=True)
 
 
 TRACEBACKS = "TPU_MODELS_COMPILE_TRACEBACKS"
@@ -158,16 +176,17 @@ def start_engine(model: str, vllm_args: list[str]):
     try:
         core = EngineCore(config, Executor.get_class(config), log_stats=False)
     except ValueError as e:  # the worker's and vLLM's own memory checks
-        if _about_memory(str(e)):
-            raise DoesNotCompile(f"does not fit: {e}") from e
+        if MEMORY_CHECK.search(str(e)):
+            raise DoesNotFit(str(e), config) from e
         raise CannotRun(f"{type(e).__name__}: {e}") from e
     except Exception as e:
         raise CannotRun(f"{type(e).__name__}: {e}") from e
     return config, core
 
 
-def _about_memory(message: str) -> bool:
-    return any(word in message for word in ("KV cache", "memory", "hbm", "HBM"))
+# The refusals of tpu-inference's worker (HBM over --gpu-memory-utilization) and of
+# vLLM's KV-cache sizing (not one request at --max-model-len).
+MEMORY_CHECK = re.compile(r"total_hbm_used_gb|KV cache is needed|cache blocks", re.IGNORECASE)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import sys
 
 from tpu_models.adapt import topology as abstract
 
+# What a compiler refusal ran out of, by its message.
+_LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNORECASE)),
+           ("SMEM", re.compile(r"smem", re.IGNORECASE)), ("Mosaic", re.compile(r"Mosaic")))
 _COLLECTIVE = {name: re.compile(rf"\b{name}(-start)?\(") for name in (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
 
@@ -28,7 +31,9 @@ def program_entry(program: abstract.Program) -> dict:
              "signature": {k: v for k, v in program.signature.items()
                            if k not in ("num_tokens", "num_reqs")}}
     if program.compiled is None:
-        return {**entry, "error": program.error}
+        kind = next((name for name, pattern in _LIMITS if pattern.search(program.error or "")),
+                    "other")
+        return {**entry, "error": program.error, "error_kind": kind}
     cost, memory = _cost(program.compiled), program.compiled.memory_analysis()
     hlo = program.compiled.as_text()
     counts = {name: len(pattern.findall(hlo)) for name, pattern in _COLLECTIVE.items()}
@@ -66,6 +71,7 @@ def build(vllm_config, core, slice_) -> dict:
     hbm = get_device_hbm_limit()
     weights = max(abstract.bytes_on(d, "weights") + abstract.bytes_on(d, "draft weights")
                   for d in devices)
+    other = max(abstract.bytes_on(d, "host inputs") for d in devices)  # LoRA slots, RNG key
     kv = max(abstract.bytes_on(d, "kv_cache") for d in devices)
     temp = largest["temp_bytes"] if largest else 0
     concurrency = float(cache.kv_cache_max_concurrency or 0)
@@ -84,9 +90,9 @@ def build(vllm_config, core, slice_) -> dict:
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "max_model_len": vllm_config.model_config.max_model_len,
         "gpu_memory_utilization": cache.gpu_memory_utilization,
-        "fits": not any("error" in p for p in programs) and weights + kv + temp <= hbm,
+        "fits": not any("error" in p for p in programs) and weights + other + kv + temp <= hbm,
         "per_chip": {"hbm_bytes": hbm, "weights_bytes": weights, "kv_cache_bytes": kv,
-                     "largest_program_temp_bytes": temp,
+                     "other_bytes": other, "largest_program_temp_bytes": temp,
                      "largest_program": _label(largest) if largest else None},
         "kv_cache_tokens": int(cache.kv_cache_size_tokens or 0),
         "kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": cache.block_size,
@@ -113,16 +119,24 @@ def verdict(report: dict) -> tuple[int, str]:
     if failed:
         first = failed[0]
         return 1, (f"{len(failed)} of {len(report['programs'])} programs did not compile for "
-                   f"{report['topology']}; first: {_label(first)}: {first['error']}")
+                   f"{report['topology']}; first: {_label(first)} ({first['error_kind']}): "
+                   f"{first['error']}")
     chip = report["per_chip"]
     if not report["fits"]:
-        need = chip["weights_bytes"] + chip["kv_cache_bytes"] + chip["largest_program_temp_bytes"]
-        return 1, (f"does not fit {report['topology']}: {_gib(need)} per chip (weights, KV "
-                   f"cache, {chip['largest_program']}'s temporaries) of {_gib(chip['hbm_bytes'])}")
+        return 1, (f"does not fit {report['topology']}: {_gib(needed(report))} per chip (weights, "
+                   f"KV cache, {chip['largest_program']}'s temporaries) of "
+                   f"{_gib(chip['hbm_bytes'])}")
     return 0, (f"{len(report['programs'])} programs compiled for {report['topology']}; fits: "
                f"{_gib(chip['weights_bytes'])} weights + {_gib(chip['kv_cache_bytes'])} KV cache "
                f"per chip, {report['kv_cache_tokens']:,} tokens, "
                f"{report['max_concurrent_requests']:.1f} requests at {report['max_model_len']:,}")
+
+
+def needed(report: dict) -> int:
+    """HBM a chip needs: what it holds, and the largest program's temporaries."""
+    chip = report["per_chip"]
+    return (chip["weights_bytes"] + chip["other_bytes"] + chip["kv_cache_bytes"]
+            + chip["largest_program_temp_bytes"])
 
 
 def _gib(n: float) -> str:
@@ -142,8 +156,8 @@ def show(report: dict) -> None:
     memory = Table(title="HBM per chip", title_justify="left")
     for column in ("HBM", "weights", "KV cache", "largest temporaries", "free"):
         memory.add_column(column, justify="right")
-    used = chip["weights_bytes"] + chip["kv_cache_bytes"] + chip["largest_program_temp_bytes"]
-    memory.add_row(_gib(chip["hbm_bytes"]), _gib(chip["weights_bytes"]),
+    used = needed(report)
+    memory.add_row(_gib(chip["hbm_bytes"]), _gib(chip["weights_bytes"] + chip["other_bytes"]),
                    _gib(chip["kv_cache_bytes"]),
                    f"{_gib(chip['largest_program_temp_bytes'])} ({chip['largest_program']})",
                    _gib(chip["hbm_bytes"] - used))

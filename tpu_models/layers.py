@@ -24,6 +24,7 @@ from tpu_inference.layers.common.sharding import ShardingAxisName
 from tpu_inference.layers.jax import JaxModule
 from tpu_inference.layers.jax.linear import JaxEinsum
 
+from tpu_models.host import host_platform
 from tpu_models.lora import LoraBatch, project
 
 _init = nnx.initializers.normal(0.02)
@@ -124,7 +125,8 @@ class Rope:
 def tied_logits(embed, x: jax.Array) -> jax.Array:
     """x [T, D] against the tied embedding table [V, D] -> logits [T, V]."""
     table = embed.weight.value
-    if jax.default_backend() == "cpu" and isinstance(table, jax.Array):
+    # The platform the model is built for: `tpu-models compile` traces on a CPU for a TPU.
+    if host_platform() == "cpu" and isinstance(table, jax.Array):
         # XLA:CPU's dot against a [V, D] table (contracting D, its minor axis) reads
         # it at a third of the speed of a [D, V] one; a multiply-reduce fuses into
         # one loop that streams the table once over every core (2-3x faster at a

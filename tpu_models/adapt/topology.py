@@ -33,8 +33,10 @@ class Program:
     warm_up: str | None = None
 
 
-# The programs this process compiled, in precompilation order.
+# The programs this process compiled, in precompilation order, and its worker
+# (for the report, also when start-up stops: what would fit is worked out from it).
 PROGRAMS: list[Program] = []
+WORKER: list = []
 _devices: list = []
 # Every abstract buffer still referenced (HBM in use), by identity: buffers of the
 # same shape are equal, and each layer's KV cache is one.
@@ -147,6 +149,7 @@ def model_built_abstractly() -> None:
     from jax.sharding import NamedSharding, PartitionSpec
     from tpu_inference.models.common import model_loader
     from tpu_inference.models.jax.utils.qwix import qwix_utils
+    from tpu_inference.worker.tpu_worker import TPUWorker
 
     def _get_nnx_model(model_class, vllm_config, rng, mesh, pooler=None, is_draft_model=False):
         # As the loader builds a model whose weights it will load: the class under
@@ -178,6 +181,13 @@ def model_built_abstractly() -> None:
                                                       apply_to_abstract_model=False)
 
     model_loader._get_nnx_model = _get_nnx_model
+    load = TPUWorker.load_model
+
+    def load_model(self):
+        WORKER[:] = [self]
+        return load(self)
+
+    TPUWorker.load_model = load_model
 
 
 def caches_and_inputs_as_shapes() -> None:
@@ -429,7 +439,8 @@ PATCHES = [
         ("tpu_inference.models.jax.utils.qwix.qwix_utils.apply_qwix_quantization",
          "vllm_config model_or_model_fn rng mesh apply_to_abstract_model"),
         ("tpu_inference.models.jax.utils.qwix.qwix_utils.apply_qwix_on_abstract_model",
-         "vllm_config")],
+         "vllm_config"),
+        ("tpu_inference.worker.tpu_worker.TPUWorker.load_model", "self")],
         "loading writes weights into device memory the slice does not have",
         model_built_abstractly),
     _patch("EAGLE-3 draft embedding decided by its checkpoint", [
