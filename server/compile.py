@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, metavar="NAME",
                    help="the TPU slice, as Cloud TPU names it (v5e-1, v6e-8, v5p-8, ...)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report here")
+    p.add_argument("--dump-hlo", type=Path, metavar="DIR",
+                   help="write each compiled program's optimized HLO here")
     p.add_argument("--verbose", action="store_true",
                    help="vLLM's and tpu-inference's start-up log, and tracebacks")
     return p
@@ -77,6 +79,8 @@ def main(argv: list[str]) -> None:
         _advise(compile_advice.what_would_fit(e.config, str(e)))
         sys.exit(_fail(1, f"does not fit {slice_.name}: {e}"))
     report = compile_report.build(config, core, slice_)
+    if args.dump_hlo:
+        compile_report.dump_hlo(args.dump_hlo)
     report["compile_seconds"] = round(time.perf_counter() - began, 1)
     compile_report.show(report)
     status, why = compile_report.verdict(report)

@@ -16,6 +16,8 @@ from tpu_models.adapt import topology as abstract
 # What a compiler refusal ran out of, by its message.
 _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNORECASE)),
            ("SMEM", re.compile(r"smem", re.IGNORECASE)), ("Mosaic", re.compile(r"Mosaic")))
+# An HLO instruction's opcode: "%x = bf16[8,1024]{1,0} dot(%a, %b), ..."
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = .*?\s([a-z][\w-]*)\(", re.MULTILINE)
 _COLLECTIVE = {name: re.compile(rf"\b{name}(-start)?\(") for name in (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
 
@@ -43,10 +45,28 @@ def program_entry(program: abstract.Program) -> dict:
             "all_reduces": counts["all-reduce"], "all_gathers": counts["all-gather"],
             "other_collectives": sum(counts.values()) - counts["all-reduce"]
             - counts["all-gather"],
+            "hlo_ops": _hlo_ops(hlo),
             "argument_bytes": memory.argument_size_in_bytes,
             "output_bytes": memory.output_size_in_bytes,
             "temp_bytes": memory.temp_size_in_bytes,
             "compile_seconds": round(program.seconds, 2)}
+
+
+def _hlo_ops(hlo: str) -> dict[str, int]:
+    """Instructions by opcode, fusions' bodies included."""
+    counts: dict[str, int] = {}
+    for opcode in _OPCODE.findall(hlo):
+        counts[opcode] = counts.get(opcode, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def dump_hlo(directory) -> None:
+    """Each compiled program's optimized HLO, as `NNN-name.txt`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, program in enumerate(abstract.PROGRAMS):
+        if program.compiled is not None:
+            name = re.sub(r"[^\w.-]+", "_", f"{program.name} {program.signature}")[:120]
+            (directory / f"{i:03d}-{name}.txt").write_text(program.compiled.as_text())
 
 
 def _chip_bandwidth(mesh) -> float:

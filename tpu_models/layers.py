@@ -114,8 +114,7 @@ class Rope:
         inv_freq, scale = self.inv_freq_and_scale()
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
         cos, sin = (jnp.cos(angles) * scale)[:, None, :], (jnp.sin(angles) * scale)[:, None, :]
-        x32 = x.astype(jnp.float32)
-        x1, x2 = x32[..., :self.head_dim // 2], x32[..., self.head_dim // 2:]
+        x1, x2 = x[..., :self.head_dim // 2], x[..., self.head_dim // 2:]  # fp32 by promotion
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
