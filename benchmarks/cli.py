@@ -34,6 +34,9 @@ OWN_OPTIONS = {
                                             "TPOT next to the model-level step, start-up, memory"),
     "ab": ("tpu_models.benchmarks.ab", "this tree against another git revision, both served "
                                        "at once, alternated rounds (ratios)"),
+    "compile": ("tpu_models.benchmarks.compile_plans", "deployments compiled for their TPUs by "
+                "tpu-models compile, and ours vs tpu-inference's Qwen3 program by program "
+                "(the TPU compiler's estimates)"),
     "quant": ("tpu_models.benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }

@@ -113,6 +113,7 @@ def build(vllm_config, core, slice_) -> dict:
         "fits": not any("error" in p for p in programs) and weights + other + kv + temp <= hbm,
         "per_chip": {"hbm_bytes": hbm, "weights_bytes": weights, "kv_cache_bytes": kv,
                      "other_bytes": other, "largest_program_temp_bytes": temp,
+                     "weights_by_dtype": _weights_by_dtype(chip),
                      "largest_program": _label(largest) if largest else None},
         "kv_cache_tokens": int(cache.kv_cache_size_tokens or 0),
         "kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": cache.block_size,
@@ -126,6 +127,15 @@ def build(vllm_config, core, slice_) -> dict:
             "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None},
         "programs": programs,
     }
+
+
+def _weights_by_dtype(device) -> dict[str, int]:
+    """A chip's weight bytes by dtype (quantized weights show as int8, fp8, int4)."""
+    out: dict[str, int] = {}
+    for holds in ("weights", "draft weights"):
+        for dtype, n in abstract.bytes_by_dtype(device, holds).items():
+            out[dtype] = out.get(dtype, 0) + n
+    return out
 
 
 def _label(program: dict) -> str:

@@ -7,7 +7,12 @@ Gemma 3 with sliding windows and soft caps) through `tpu-models serve` and
 compares their greedy tokens with transformers' (fp32, computed when the
 checkpoints were made: scripts/make_doctor_models.py).
 
-Exit status: 0 all equal; 1 a mismatch; 2 it could not run. The last line says why.
+With --topology NAME it compiles instead of serving: both checkpoints, every
+program their start-up compiles, for that TPU slice, by the TPU compiler
+(`tpu-models compile`), on any host.
+
+Exit status: 0 all equal (or compiled); 1 a mismatch (or a program that does
+not compile); 2 it could not run. The last line says why.
 The facts come from a child process: on a TPU host the process that opens the
 chips keeps them, and the servers need them.
 """
@@ -30,9 +35,9 @@ from tpu_models.server.loopback import ServeProcess
 MODELS = Path(__file__).parent / "doctor_models"
 PACKAGES = ("vllm-tpu", "tpu-inference", "jax", "jaxlib", "libtpu", "flax", "qwix", "tpu-models")
 # Small enough for any host: 32-token chunks make the longer prompts chunked prefills.
-SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32",
-               "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(32 << 20),
-               "--served-model-name", "doctor")
+ENGINE_ARGS = ("--max-model-len", "256", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+               "--kv-cache-memory-bytes", str(32 << 20))
+SERVER_ARGS = ("--dtype", "float32", *ENGINE_ARGS, "--served-model-name", "doctor")
 
 
 class CannotRun(Exception):
@@ -48,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-logs", type=Path, metavar="DIR",
                    help="write the servers' logs here (default: a temporary directory, "
                         "kept and named on failure)")
+    p.add_argument("--topology", metavar="NAME",
+                   help="compile both checkpoints for this TPU slice (v5e-1, v6e-8, ...) "
+                        "with the TPU compiler instead of serving them; any host")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -170,6 +178,33 @@ def check_models(models: Path, env: dict, logs: Path, timeout: float, in_paralle
     return problems
 
 
+def compile_models(models: Path, topology: str, logs: Path, say) -> tuple[int, str]:
+    """`tpu-models compile` of each shipped checkpoint for `topology`: (status, why)."""
+    from tpu_models.topologies import UnknownTopology, topology as slice_of
+    try:
+        slice_ = slice_of(topology)
+    except UnknownTopology as e:
+        raise CannotRun(str(e)) from None
+    # Tensor parallel over the slice's chips, up to the checkpoints' 4 attention heads.
+    tp = min(slice_.chips, 4)
+    worst = 0
+    for name in ("qwen3-structural", "gemma3"):
+        report = logs / f"compile-{name}.json"
+        command = [sys.executable, "-m", "tpu_models.server.cli", "compile", str(models / name),
+                   "--topology", slice_.name, "--tensor-parallel-size", str(tp), *ENGINE_ARGS,
+                   "--json", str(report)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        (logs / f"compile-{name}.log").write_text(done.stdout + done.stderr)
+        last = next((line for line in reversed((done.stdout + done.stderr).splitlines())
+                     if line.startswith("compile: ")), f"exit status {done.returncode}")
+        say(f"compile     {name} for {slice_.name} (TP {tp}): {last.removeprefix('compile: ')}")
+        worst = max(worst, done.returncode if done.returncode in (0, 1) else 2)
+    if worst == 0:
+        return 0, f"ok, both architectures compile for {slice_.name} and fit"
+    return worst, (f"a checkpoint {'does not compile' if worst == 1 else 'could not be compiled'}"
+                   f" for {slice_.name}; logs: {logs}")
+
+
 def run(args, say) -> tuple[int, str]:
     from tpu_models import host
     env = dict(os.environ)
@@ -196,6 +231,8 @@ def run(args, say) -> tuple[int, str]:
     for name, f in features.items():
         if f["problems"]:
             say(f"  REFUSED   {name}: {'; '.join(f['problems'])}")
+    if args.topology:
+        return compile_models(args.models, args.topology, args.keep_logs, say)
     problems = check_models(args.models, env, args.keep_logs, args.timeout,
                             in_parallel=found["off_tpu"], say=say)
     for line in problems:

@@ -92,8 +92,9 @@ class _EngineStoppedBySignal(logging.Filter):
 
 def quiet() -> None:
     """Installs the filters in this process (idempotent)."""
-    from tpu_models.host import host_platform  # standard library only
-    off_tpu = host_platform() is not None
+    from tpu_models.host import compile_target, host_platform  # standard library only
+    # `tpu-models compile` runs on a host without a TPU too: the same probes fail there.
+    off_tpu = host_platform() is not None or compile_target() is not None
     filters = [(name, _DropMessages(prefixes))
                for table in ([ALWAYS, OFF_TPU] if off_tpu else [ALWAYS])
                for name, prefixes in table.items()]

@@ -143,13 +143,15 @@ class _RunnerView:
 
 def _compile_in_background(manager, runner, rest: list[int]) -> threading.Thread:
     import jax
-    from tpu_inference.runner.compilation_manager import CompilationManager
+    from tpu_inference.runner.compilation_manager import CompilationManager, _describe_signature
 
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           runner.kv_caches)
     log = _logger()
 
     def compile_now(name, fn, *args, call_kwargs={}, warmup_handler=None, **described):
+        # Upstream's line for each program it precompiles, marked as ours.
+        log.info("Precompile %s --> %s (background)", name, _describe_signature(described))
         with jax.set_mesh(runner.mesh):
             fn.lower(*args, **call_kwargs).compile()
         bucket = args[2].shape[0]
@@ -270,7 +272,8 @@ PATCHES = [
         compiled_functions_not_run, speed="tpu-models bench startup"),
     Patch("token buckets compiled after ready", STARTUP, (
         Target(f"{MANAGER}.capture_model", _STEP),
-        Target(f"{MANAGER}._precompile_backbone_text_only", _STEP)),
+        Target(f"{MANAGER}._precompile_backbone_text_only", _STEP),
+        Target("tpu_inference.runner.compilation_manager._describe_signature", "kwargs")),
         "a CPU host compiled every bucket before serving (0.6B, cold: 8 s each)",
         "tests/test_startup.py::test_a_restart_compiles_nothing_and_serves_every_bucket",
         buckets_after_ready, platform=OFF_TPU, speed="tpu-models bench startup"),

@@ -74,10 +74,11 @@ def _tracing() -> bool:
     return not core.trace_state_clean()
 
 
-def bytes_on(device, holds: str | None = None) -> int:
-    """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`."""
+def bytes_by_dtype(device, holds: str | None = None) -> dict[str, int]:
+    """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`,
+    by dtype."""
     import math
-    total = 0
+    out: dict[str, int] = {}
     for x in list(_live.values()):
         if holds is not None and x.holds != holds:
             continue
@@ -87,8 +88,14 @@ def bytes_on(device, holds: str | None = None) -> int:
             shard = x.sharding.shard_shape(x.shape)
         except ValueError:  # a spec its shape cannot split: XLA keeps it whole
             shard = x.shape
-        total += math.prod(shard) * x.dtype.itemsize
-    return total
+        name = str(x.dtype)
+        out[name] = out.get(name, 0) + math.prod(shard) * x.dtype.itemsize
+    return out
+
+
+def bytes_on(device, holds: str | None = None) -> int:
+    """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`."""
+    return sum(bytes_by_dtype(device, holds).values())
 
 
 def _slice_devices() -> list:
@@ -458,7 +465,8 @@ PATCHES = [
         caches_and_inputs_as_shapes),
     _patch("programs compiled, kept, never run", [
         (f"{MANAGER}._run_compilation", _RUN), (f"{MANAGER}._flush_compilations", "self"),
-        (f"{MANAGER}._create_dummy_tensor", "self shape dtype sharding")],
+        (f"{MANAGER}._create_dummy_tensor", "self shape dtype sharding"),
+        ("tpu_inference.runner.compilation_manager._describe_signature", "kwargs")],
         "precompilation runs every program once on dummy inputs after compiling it",
         programs_compiled_not_run),
     _patch("warm-up calls compile their jits, run none", [
