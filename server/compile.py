@@ -138,6 +138,7 @@ def prepare(topology_name: str, verbose: bool = False) -> None:
     # read from) the host's compilation caches.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    os.environ["SKIP_JAX_PRECOMPILE"] = "0"  # precompilation is what there is to compile
     os.environ.setdefault("NUM_PRECOMPILE_WORKERS", str(min(os.cpu_count() or 1, 8)))
     host.attention_mode()  # AttentionModeError: a kernel other than the TPU's
     from tpu_models import logs

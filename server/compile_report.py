@@ -32,6 +32,8 @@ def program_entry(program: abstract.Program) -> dict:
              "requests": program.signature.get("num_reqs"),
              "signature": {k: v for k, v in program.signature.items()
                            if k not in ("num_tokens", "num_reqs")}}
+    if program.warm_up:  # compiled by this warm-up call, as on a TPU
+        entry["warm_up"] = re.sub(r"^worker\d+ ", "", program.warm_up)
     if program.compiled is None:
         kind = next((name for name, pattern in _LIMITS if pattern.search(program.error or "")),
                     "other")

@@ -1,0 +1,218 @@
+"""`tpu-models compile`: our models built for TPU slices and compiled by libtpu, the TPU's
+own compiler, on this CPU host; nothing allocated or run.
+
+Sizes are checked against arithmetic on the checkpoints' configs (tpu-inference's
+documented cache layout: KV heads padded to the tensor-parallel size, head_dim to
+128, K and V interleaved), and the program set against what a CPU server of the
+same configuration precompiles.
+"""
+
+import ast
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tpu_models.server.serve import DEFAULT_MODEL
+
+DOCTOR = Path(__file__).parents[1] / "server" / "doctor_models"
+SMALL = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32")
+
+
+def compile_(tmp_path, *args, env=None) -> tuple[int, dict | None, str]:
+    """`tpu-models compile ARGS --json`: (exit status, report, output)."""
+    out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE")}  # compile sets them
+    done = subprocess.run([sys.executable, "-m", "tpu_models.server.cli", "compile", *args,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**environment, **(env or {})})
+    report = json.loads(out.read_text()) if out.exists() else None
+    return done.returncode, report, done.stdout + done.stderr
+
+
+def config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
+def programs(report: dict, name: str) -> list[dict]:
+    return [p for p in report["programs"] if p["name"] == name]
+
+
+def kv_bytes_per_token(cfg: dict, layers: int, tp: int, dtype_bytes: int) -> float:
+    """One chip's KV bytes per token in tpu-inference's layout: heads padded to the
+    TP size and split over it, K and V packed into 32-bit words, head_dim to 128."""
+    heads = max(cfg["num_key_value_heads"], tp) // tp
+    packing = 4 // dtype_bytes
+    head_dim = -(-cfg["head_dim"] // 128) * 128
+    return layers * -(-2 * heads // packing) * packing * head_dim * dtype_bytes
+
+
+def test_every_topology_is_the_slice_libtpu_builds():
+    script = ("import json\n"
+              "from jax.experimental import topologies\n"
+              "from tpu_models.topologies import TOPOLOGIES\n"
+              "out = {}\n"
+              "for t in TOPOLOGIES.values():\n"
+              "    d = topologies.get_topology_desc(platform='tpu', topology_name=t.libtpu_name,\n"
+              "                                     chips_per_host_bounds=t.host_chips).devices\n"
+              "    out[t.name] = [len(d), len({x.process_index for x in d}), d[0].device_kind]\n"
+              "print(json.dumps(out))\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_SKIP_MDS_QUERY": "1",
+           "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from tpu_models.topologies import TOPOLOGIES, topology
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    kinds = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5"}
+    for name, t in TOPOLOGIES.items():
+        assert found[name] == [t.chips, t.hosts, kinds[name.split("-")[0]]], name
+    assert topology("v6e-16").hosts == 4 and topology("v5p-8").chips == 4
+    assert topology("v5litepod-8") == topology("v5e-8")
+    for name in ("v5e-1", "v5e-4", "v5e-8", "v6e-1", "v6e-4", "v6e-8", "v5p-8", "v6e-16"):
+        assert name in TOPOLOGIES
+
+
+def test_demo_with_eagle3_at_tensor_parallel_8_on_v6e_8(tmp_path):
+    status, report, output = compile_(tmp_path, "--topology", "v6e-8", "--tensor-parallel-size",
+                                      "8", "--speculative", "eagle3", *SMALL)
+    assert status == 0, output[-3000:]
+    assert report["fits"] and report["chips"] == 8 and report["hosts"] == 1
+    assert report["device_kind"] == "TPU v6 lite" and report["dtype"] == "bfloat16"
+    # One backbone program per token bucket (16, 32), each with two all-reduces a layer
+    # (attention and MLP outputs) and one for the embedding lookup.
+    target = config(DEFAULT_MODEL)
+    backbones = programs(report, "backbone")
+    assert sorted(p["tokens"] for p in backbones) == [16, 32]
+    assert {p["all_reduces"] for p in backbones} == {2 * target["num_hidden_layers"] + 1}
+    # The drafter's own jits, compiled by the warm-up call that compiles them on a TPU.
+    names = {p["name"] for p in report["programs"]}
+    assert {"drafter_propose > _propose", "drafter_prepare_inputs > _prepare_inputs"} <= names
+    assert any(n.endswith("_rejection_sampler > forward") for n in names)
+    # The cache: the target's layers and the draft's one, 2 KV heads over 8 chips.
+    chip = report["per_chip"]
+    per_token = kv_bytes_per_token(target, target["num_hidden_layers"] + 1, 8, 2)
+    assert chip["kv_cache_bytes"] == report["kv_cache_blocks"] * report["block_size"] * per_token
+    # Weights: bf16, the target's and the draft's, each chip holding at least its share.
+    from safetensors import safe_open
+    params = 0
+    for file in (DEFAULT_MODEL / "model.safetensors",
+                 DEFAULT_MODEL.parent / "default_model_eagle3" / "model.safetensors"):
+        with safe_open(file, "np") as f:
+            params += sum(math.prod(f.get_slice(n).get_shape()) for n in f.keys() if n != "d2t")
+    assert params * 2 / 8 < chip["weights_bytes"] < params * 2
+    assert {d for d in chip["weights_by_dtype"] if "float" in d} == {"bfloat16"}
+    assert chip["weights_bytes"] + chip["kv_cache_bytes"] <= 0.93 * chip["hbm_bytes"]
+    roof = report["decode_roofline"]
+    assert roof["bandwidth_bytes_per_second"] == 1.64e12  # v6e's HBM, JAX's TPU table
+    assert roof["weights_only_seconds"] == pytest.approx(chip["weights_bytes"] / 1.64e12)
+    assert "estimates, not measurements" in output
+
+
+def test_gemma3_hybrid_cache_in_fp8_with_lora_slots_on_v5e_1(tmp_path):
+    model = DOCTOR / "gemma3"
+    args = ("--topology", "v5e-1", "--kv-cache-dtype", "fp8", "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", "8", *SMALL)
+    status, report, output = compile_(tmp_path, str(model), *args)
+    assert status == 0, output[-3000:]
+    cfg, chip = config(model), report["per_chip"]
+    assert report["kv_cache_dtype"] == "fp8" and report["device_kind"] == "TPU v5 lite"
+    assert chip["hbm_bytes"] == 16 * 2**30
+    # Hybrid groups: the 5 sliding layers and the global one, a layer per group, share
+    # one pool of pages (a page holds one layer's block of tokens), so the cache is as
+    # large as one layer's at the pool's size. One KV head a chip: fp8's 4-way packing
+    # takes as many bytes as bf16's 2-way (tpu-inference's layout).
+    assert kv_bytes_per_token(cfg, 1, 1, 1) == kv_bytes_per_token(cfg, 1, 1, 2)
+    per_token = kv_bytes_per_token(cfg, 1, 1, 1)
+    assert chip["kv_cache_bytes"] == report["kv_cache_blocks"] * report["block_size"] * per_token
+    # LoRA slots: A [in, slots, rank] and B [slots, rank, out] for each projection.
+    D, H = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, mlp = cfg["num_attention_heads"] * H, cfg["num_key_value_heads"] * H, cfg["intermediate_size"]
+    per_layer = (D + q) + 2 * (D + kv) + (q + D) + 2 * (D + mlp) + (mlp + D)
+    assert chip["other_bytes"] >= cfg["num_hidden_layers"] * per_layer * 2 * 8 * 2
+    assert programs(report, "backbone")
+
+
+def test_int8_qwen3_at_tensor_parallel_4_in_the_kv_budget_asked(tmp_path):
+    model = DOCTOR / "qwen3-structural"
+    budget = 1 << 30
+    status, report, output = compile_(tmp_path, str(model), "--topology", "v6e-4",
+                                      "--tensor-parallel-size", "4", "--quant",
+                                      "int8-weight-only", "--kv-cache-memory-bytes", str(budget),
+                                      *SMALL)
+    assert status == 0, output[-3000:]
+    chip = report["per_chip"]
+    # --kv-cache-memory-bytes is the cache's size over the slice (the worker's budget),
+    # to the block; a TPU's worker ignored it before (adapt.kv_cache).
+    cfg = config(model)
+    block = report["block_size"] * kv_bytes_per_token(cfg, cfg["num_hidden_layers"], 4, 2)
+    assert budget - 4 * block < 4 * chip["kv_cache_bytes"] <= budget
+    # Qwix quantized the projections while loading: its program compiled for the slice.
+    assert "load > Qwix quantization > qwix_quantize_nnx_model" in {
+        p["name"] for p in report["programs"]}
+    # One byte a projection weight, a chip holding its share: q/o split by head, k/v
+    # whole (2 KV heads for 4 chips), the MLP split along its width.
+    D, N, K, H = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                   "head_dim"))
+    per_layer = D * N * H // 4 + 2 * D * K * H + N * H * D // 4 + 3 * D * cfg["intermediate_size"] // 4
+    assert chip["weights_by_dtype"]["int8"] == cfg["num_hidden_layers"] * per_layer
+
+
+def test_too_large_a_cache_is_refused_naming_the_program_and_what_would_fit(tmp_path):
+    status, report, output = compile_(tmp_path, "--topology", "v5e-1", "--kv-cache-memory-bytes",
+                                      str(40 * 10**9), *SMALL)
+    assert status == 1
+    verdict = output.strip().splitlines()[-1]
+    assert verdict.startswith("compile: ") and "did not compile for v5e-1" in verdict
+    assert re.search(r"backbone \(tokens \d+, requests 8\) \(HBM\): .*exceeds available HBM",
+                     verdict)
+    assert "--kv-cache-memory-bytes" in output.split("What would fit")[1]
+    assert any(p.get("error_kind") == "HBM" for p in report["programs"])
+
+    status, _, output = compile_(tmp_path, "--topology", "v9z-3")
+    assert status == 2
+    assert output.strip().splitlines()[-1].startswith("compile: cannot run: unknown TPU topology")
+
+
+def _precompiled(log: str) -> Counter:
+    """(program, signature) of each `Precompile NAME --> {...}` line a server logged."""
+    found = re.findall(r"Precompile (.+?) --> (\{.*?\})(?: \(background\))?$", log, re.MULTILINE)
+    return Counter((name.removeprefix("worker0 "), signature) for name, signature in found)
+
+
+def test_the_program_set_is_what_a_cpu_server_precompiles(demo_server, tmp_path):
+    # The shared demo server (tpu-models serve, precompiling as users get it): its CPU
+    # defaults and options, here given to the compile for a TPU.
+    import time
+    deadline = time.monotonic() + 300
+    while "all token buckets compiled" not in demo_server.output():
+        assert time.monotonic() < deadline, "the demo server's buckets did not finish compiling"
+        time.sleep(2)
+    served = _precompiled(demo_server.output())
+    status, report, output = compile_(
+        tmp_path, "--topology", "v6e-1", "--dtype", "float32", "--max-model-len", "256",
+        "--kv-cache-memory-bytes", str(256 << 20), "--max-num-batched-tokens", "256",
+        "--max-num-seqs", "64", env={"MIN_TOKEN_BUCKET": "1"})
+    assert status == 0, output[-3000:]
+    def key(name: str, signature: dict) -> tuple[str, str]:
+        return re.sub(r"^worker\d+ ", "", name), json.dumps(signature, sort_keys=True)
+
+    compiled, warmed = Counter(), set()
+    for p in report["programs"]:
+        signature = p["signature"] | {k: v for k, v in (("num_tokens", p["tokens"]),
+                                                         ("num_reqs", p["requests"])) if v}
+        if p.get("warm_up"):  # its jits, compiled by one warm-up call
+            warmed.add(key(p["warm_up"], signature))
+        else:
+            compiled[key(p["name"], signature)] += 1
+    compiled.update(warmed)
+    assert sum(served.values()) > 50
+    assert compiled == Counter({key(name, ast.literal_eval(signature)): n
+                                for (name, signature), n in served.items()})
