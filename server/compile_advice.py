@@ -12,7 +12,7 @@ compiling again with the change.
 import math
 import re
 
-from tpu_models.adapt import topology as abstract
+from tpu_models.adapt import topology as abstract, topology_programs as programs_
 from tpu_models.topologies import TOPOLOGIES
 
 
@@ -71,9 +71,9 @@ def _quantizable_bytes(runner) -> int:
 def what_would_fit(vllm_config, message: str, excess: float = 0) -> list[str]:
     """One line per change estimated to make this configuration fit; `excess`: the
     bytes a chip needs beyond its HBM, where the compile got that far."""
-    if not abstract.WORKER:
+    if not programs_.WORKER:
         return []
-    runner = abstract.WORKER[0].model_runner
+    runner = programs_.WORKER[0].model_runner
     if getattr(runner, "state", None) is None:
         return []
     from tpu_inference.utils import get_device_hbm_limit
@@ -86,7 +86,6 @@ def what_would_fit(vllm_config, message: str, excess: float = 0) -> list[str]:
     block = vllm_config.cache_config.block_size or 16
     per_token, window = kv_bytes_per_token(runner), _window(runner)
     one_request = _request_bytes(per_token, length, window)
-    tp = vllm_config.parallel_config.tensor_parallel_size
     lines = []
     if found := COMPILER_HBM.search(message):  # the cache left a program too little room
         excess = (float(found["required"]) - float(found["available"])) * 2**30

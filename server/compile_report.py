@@ -11,7 +11,7 @@ the chip's HBM bandwidth.
 import re
 import sys
 
-from tpu_models.adapt import topology as abstract
+from tpu_models.adapt import topology as abstract, topology_programs as programs_
 
 # What a compiler refusal ran out of, by its message.
 _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNORECASE)),
@@ -27,7 +27,7 @@ def _cost(compiled) -> dict:
     return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
 
 
-def program_entry(program: abstract.Program) -> dict:
+def program_entry(program: programs_.Program) -> dict:
     entry = {"name": re.sub(r"^worker\d+ ", "", program.name), "tokens": program.signature.get("num_tokens"),
              "requests": program.signature.get("num_reqs"),
              "signature": {k: v for k, v in program.signature.items()
@@ -65,7 +65,7 @@ def _hlo_ops(hlo: str) -> dict[str, int]:
 def dump_hlo(directory) -> None:
     """Each compiled program's optimized HLO, as `NNN-name.txt`."""
     directory.mkdir(parents=True, exist_ok=True)
-    for i, program in enumerate(abstract.PROGRAMS):
+    for i, program in enumerate(programs_.PROGRAMS):
         if program.compiled is not None:
             name = re.sub(r"[^\w.-]+", "_", f"{program.name} {program.signature}")[:120]
             (directory / f"{i:03d}-{name}.txt").write_text(program.compiled.as_text())
@@ -87,7 +87,7 @@ def build(vllm_config, core, slice_) -> dict:
     devices = list(runner.mesh.devices.flat)
     chip = devices[0]
     cache = vllm_config.cache_config
-    programs = [program_entry(p) for p in abstract.PROGRAMS]
+    programs = [program_entry(p) for p in programs_.PROGRAMS]
     compiled = [p for p in programs if "error" not in p]
     largest = max(compiled, key=lambda p: p["temp_bytes"], default=None)
     hbm = get_device_hbm_limit()
@@ -109,6 +109,7 @@ def build(vllm_config, core, slice_) -> dict:
         "architecture": (vllm_config.model_config.architectures or ["?"])[0],
         "dtype": str(vllm_config.model_config.dtype).replace("torch.", ""),
         "kv_cache_dtype": cache.cache_dtype,
+        "kv_cache_element_type": _kv_element_type(runner),
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "max_model_len": vllm_config.model_config.max_model_len,
         "gpu_memory_utilization": cache.gpu_memory_utilization,
@@ -129,6 +130,12 @@ def build(vllm_config, core, slice_) -> dict:
             "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None},
         "programs": programs,
     }
+
+
+def _kv_element_type(runner) -> str | None:
+    """What the cache stores (--kv-cache-dtype fp8: e4m3, tpu-inference's for flax models)."""
+    dtypes = {str(spec.dtype).replace("torch.", "") for spec in runner.get_kv_cache_spec().values()}
+    return ", ".join(sorted(dtypes)) or None
 
 
 def _weights_by_dtype(device) -> dict[str, int]:

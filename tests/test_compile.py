@@ -82,7 +82,8 @@ def test_every_topology_is_the_slice_libtpu_builds():
 
 def test_demo_with_eagle3_at_tensor_parallel_8_on_v6e_8(tmp_path):
     status, report, output = compile_(tmp_path, "--topology", "v6e-8", "--tensor-parallel-size",
-                                      "8", "--speculative", "eagle3", *SMALL)
+                                      "8", "--speculative", "eagle3", "--kv-cache-dtype", "fp8",
+                                      *SMALL)
     assert status == 0, output[-3000:]
     assert report["fits"] and report["chips"] == 8 and report["hosts"] == 1
     assert report["device_kind"] == "TPU v6 lite" and report["dtype"] == "bfloat16"
@@ -96,9 +97,12 @@ def test_demo_with_eagle3_at_tensor_parallel_8_on_v6e_8(tmp_path):
     names = {p["name"] for p in report["programs"]}
     assert {"drafter_propose > _propose", "drafter_prepare_inputs > _prepare_inputs"} <= names
     assert any(n.endswith("_rejection_sampler > forward") for n in names)
-    # The cache: the target's layers and the draft's one, 2 KV heads over 8 chips.
+    # The cache: the target's layers and the draft's one, 2 KV heads over 8 chips, in
+    # fp8 (e4m3 on the flax path), though one head a chip packs into bf16's bytes.
     chip = report["per_chip"]
-    per_token = kv_bytes_per_token(target, target["num_hidden_layers"] + 1, 8, 2)
+    assert report["kv_cache_element_type"] == "float8_e4m3fn"
+    per_token = kv_bytes_per_token(target, target["num_hidden_layers"] + 1, 8, 1)
+    assert per_token == kv_bytes_per_token(target, target["num_hidden_layers"] + 1, 8, 2)
     assert chip["kv_cache_bytes"] == report["kv_cache_blocks"] * report["block_size"] * per_token
     # Weights: bf16, the target's and the draft's, each chip holding at least its share.
     from safetensors import safe_open
@@ -123,7 +127,8 @@ def test_gemma3_hybrid_cache_in_fp8_with_lora_slots_on_v5e_1(tmp_path):
     status, report, output = compile_(tmp_path, str(model), *args)
     assert status == 0, output[-3000:]
     cfg, chip = config(model), report["per_chip"]
-    assert report["kv_cache_dtype"] == "fp8" and report["device_kind"] == "TPU v5 lite"
+    assert report["kv_cache_element_type"] == "float8_e4m3fn"
+    assert report["device_kind"] == "TPU v5 lite"
     assert chip["hbm_bytes"] == 16 * 2**30
     # Hybrid groups: the 5 sliding layers and the global one, a layer per group, share
     # one pool of pages (a page holds one layer's block of tokens), so the cache is as

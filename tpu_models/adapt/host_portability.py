@@ -15,6 +15,11 @@ from tpu_models.host import host_platform
 # Default KV-cache budget off-TPU: a share of the host's memory, at most a share of
 # what is available at start-up.
 KV_CACHE_SHARE, KV_CACHE_SHARE_OF_AVAILABLE = 0.2, 0.5
+# ... and under TPU_MODELS_ATTENTION=rpa-interpret: JAX's interpreter copies the whole
+# cache into its simulated memory at every attention call (about 20x its size in RSS),
+# so 20% of a 24 GB host (4.8 GB of cache) met the OOM killer at the first prompts.
+# There the cache holds two requests at --max-model-len, and at least 32 MiB.
+INTERPRETED_KV_CACHE_BYTES, INTERPRETED_REQUESTS = 32 << 20, 2
 
 
 def _logger():
@@ -34,13 +39,19 @@ def mesh_without_coords() -> None:
     rebind("tpu_inference.utils", "make_optimized_mesh", make_mesh)
 
 
-def kv_cache_budget(cache_config) -> int:
+def kv_cache_budget(cache_config, request_bytes: int = 0) -> int:
     """Bytes for the KV cache: --kv-cache-memory-bytes, else 20% of the host's memory (at
     most half of what is available), rounded down to whole GiB (256 MiB below 1 GiB).
     The cache's size is part of every compiled step's shapes: a budget that moved with
-    free memory made a restart miss the JAX cache for the whole model."""
+    free memory made a restart miss the JAX cache for the whole model. Interpreted
+    (rpa-interpret): two requests of `request_bytes` (one at --max-model-len), 32 MiB
+    at least, in whole MiB."""
     if cache_config.kv_cache_memory_bytes:
         return int(cache_config.kv_cache_memory_bytes)
+    from tpu_models.host import attention_mode
+    if attention_mode() == "rpa-interpret":
+        mib = -(-INTERPRETED_REQUESTS * request_bytes // 2**20)  # rounded up
+        return max(INTERPRETED_KV_CACHE_BYTES, mib * 2**20)
     import psutil
     memory = psutil.virtual_memory()
     share = int(min(memory.total * KV_CACHE_SHARE, memory.available * KV_CACHE_SHARE_OF_AVAILABLE))
@@ -54,6 +65,8 @@ def memory_from_host() -> None:
     from tpu_inference.platforms.tpu_platform import TpuPlatform
     from tpu_inference.worker.tpu_worker import TPUWorker
 
+    from tpu_models.host import attention_mode
+
     platform = host_platform()
 
     def usage(devices):
@@ -66,10 +79,16 @@ def memory_from_host() -> None:
         return [(used.get(d, 0), total) for d in devices]
 
     def determine_available_memory(self) -> int:
-        budget = kv_cache_budget(self.cache_config)
+        request = sum(spec.max_memory_usage_bytes(self.vllm_config)
+                      for spec in self.get_kv_cache_spec().values())
+        budget = kv_cache_budget(self.cache_config, request)
         if self.cache_config.kv_cache_memory_bytes:
             _logger().info("tpu-models: KV cache budget on this %s host: %.2f GiB", platform,
                            budget / 2**30)
+        elif attention_mode() == "rpa-interpret":
+            _logger().warning("tpu-models: KV cache budget %d MiB: the Pallas interpreter copies "
+                              "the whole cache at every call (set it with "
+                              "--kv-cache-memory-bytes)", budget >> 20)
         else:  # a guess: say how to choose
             _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB, %d%% of "
                               "its memory in whole GiB (set it with --kv-cache-memory-bytes)",

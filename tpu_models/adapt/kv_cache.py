@@ -91,7 +91,7 @@ PATCHES = [
     Patch("--kv-cache-memory-bytes honoured", KV_BUDGET, (
         Target("tpu_inference.worker.tpu_worker.TPUWorker.determine_available_memory", "self"),),
         "on a TPU the flag was ignored: the cache took --gpu-memory-utilization of HBM",
-        "tests/test_compile.py::test_kv_cache_memory_bytes_sizes_the_cache_on_a_tpu",
+        "tests/test_compile.py::test_int8_qwen3_at_tensor_parallel_4_in_the_kv_budget_asked",
         kv_cache_memory_bytes_honoured, upstream="none filed"),
     Patch("sliding-window KV cache groups", HYBRID_KV, (
         Target(f"{MANAGER}.get_kv_cache_spec", "self"),
