@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from tpu_models.loaders.export_marker import check_export_complete
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.tables import PROJECTIONS
 
@@ -33,6 +34,10 @@ class LoraAdapter:
     def __init__(self, directory: str | Path):
         from tpu_models.loaders.object_storage import is_object_storage, local_copy
 
+        try:  # an adapter export cut short: refused before a file is read
+            check_export_complete(directory, CheckpointError)
+        except CheckpointError as e:  # its message starts with the adapter's path
+            raise CheckpointError(f"LoRA adapter {e}") from None
         if is_object_storage(str(directory)):
             # Small enough to copy: read whole into memory, the copy removed at once.
             self.directory = str(directory).rstrip("/")  # what error messages name

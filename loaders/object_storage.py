@@ -158,6 +158,7 @@ def local_copy(uri: str, names: tuple[str, ...] | None = None) -> Iterator[Path]
 def local_draft(uri: str, mirror) -> str:
     """A speculative draft's files pulled whole into `mirror(uri).dir` (vLLM's
     ObjectStorageModel: its assets cache, one directory per URI); returns it."""
+    export_marker.check_export_complete(uri, CheckpointError)  # a draft export cut short
     target = mirror(uri)
     with _named(uri, "cannot copy the draft"):
         target.pull_files(uri)

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from tpu_models.loaders.export_marker import check_export_complete
+from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.object_storage import is_object_storage
 from tpu_models.quant import rules as quant_rules
 from tpu_models.server import middleware
@@ -196,7 +198,14 @@ def _value(args: list[str], flag: str) -> str | None:
 
 
 def check_model(model: str) -> None:
-    """Refuses checkpoints we know we cannot serve, with what to do instead."""
+    """Refuses checkpoints we know we cannot serve, with what to do instead: an export
+    cut short (before vLLM starts; the plugin checks again for plain `vllm serve`), a
+    multimodal release."""
+    if is_object_storage(model) or Path(model).is_dir():
+        try:
+            check_export_complete(model, CheckpointError)
+        except CheckpointError as e:
+            sys.exit(f"tpu-models serve: {e}")
     config = Path(model) / "config.json"
     if not config.exists():
         return
@@ -213,6 +222,7 @@ def main(argv: list[str]) -> None:
         command, env = build_command(argv, os.environ)
     except (quant_rules.RulesError, ValueError) as e:
         sys.exit(f"tpu-models serve: {e}")
+    os.environ.update(env)  # the storage emulator's settings, if any; exec'd with them next
     check_model(command[4])
     if "--dry-run" in argv:
         changed = {k: v for k, v in env.items() if os.environ.get(k) != v}

@@ -139,6 +139,13 @@ def test_tpu_models_serve_streams_qwen3_structural_from_gs(bucket, server_env, t
         r = http.post(f"{s.url}/v1/load_lora_adapter", headers=s.headers(), timeout=60,
                       json={"lora_name": "late", "lora_path": uris["late"]})
         assert r.status_code == 200, r.text
+        # An adapter export killed before its manifest: a 400 naming it, still serving.
+        cut = bucket.upload(adapters["late"], "cut-adapter")
+        bucket.client.bucket(cut.split("/")[2]).blob(
+            "/".join(cut.split("/")[3:] + ["tpu-models-export.incomplete"])).upload_from_string("{}")
+        r = http.post(f"{s.url}/v1/load_lora_adapter", headers=s.headers(), timeout=60,
+                      json={"lora_name": "cut", "lora_path": cut})
+        assert r.status_code == 400 and f"{cut}: an unfinished export" in r.text, r.text
         for model, adapter in (("tiny", None), ("first", adapters["first"]),
                                ("late", adapters["late"])):
             reference = Reference(checkpoint, adapter=adapter)

@@ -346,3 +346,62 @@ def test_missing_bucket_prefix_and_object_are_named(bucket, maxtext_uri, tmp_pat
             maxtext(MAXTEXT, QWEN3, uri)
         with pytest.raises(CheckpointError, match="not supported yet"):
             maxtext(uri, QWEN3, tmp_path / "out")
+
+
+@pytest.mark.e2e
+def test_a_qwen3_export_cut_short_is_refused_by_tpu_models_serve_and_vllm_serve(
+        bucket, local_export, tmp_path):
+    """A plain Qwen3 export (tpu-inference's own class serves it, which never read the
+    markers): killed before its manifest (the .incomplete marker and every other
+    object), and with a shard of another size beside its manifest. `tpu-models serve`
+    refuses both before vLLM starts, plain `vllm serve` when vLLM pulls its config
+    (adapt/object_storage.py), each naming the prefix and the fault."""
+    from tpu_models.benchmarks.process import Server
+    from tpu_models.loaders.export_marker import incomplete_marker, manifest
+
+    exported = files(local_export)
+    unfinished = bucket.upload(local_export, "cut/unfinished")
+    blob(bucket, f"{unfinished}/{INCOMPLETE}").upload_from_string(
+        json.dumps(incomplete_marker(None)))
+    short = bucket.upload(local_export, "cut/short")
+    shard = sorted(n for n in exported if n.endswith(".safetensors"))[1]
+    blob(bucket, f"{short}/{MANIFEST}").upload_from_string(json.dumps(
+        manifest({n: len(c) for n, c in exported.items()}, None, "2026-01-01T00:00:00+00:00")))
+    blob(bucket, f"{short}/{shard}").upload_from_string(exported[shard][:-1000])
+    reasons = {unfinished: f"{unfinished}: an unfinished export: {MANIFEST} is missing",
+               short: f"{short}: an incomplete export: {short}/{shard} has "
+                      f"{len(exported[shard]) - 1000} bytes, {MANIFEST} lists {len(exported[shard])}"}
+    env = {**bucket.env, "VLLM_ASSETS_CACHE": str(tmp_path / "assets")}
+    servers = {(uri, kind): Server(uri, "--max-model-len", "128", log=tmp_path / f"{kind}-{i}.log",
+                                   env=env, command=command)
+               for i, uri in enumerate(reasons)
+               for kind, command in (("tpu-models", None), ("vllm", [
+                   str(Path(sys.executable).parent / "vllm"), "serve", "--load-format",
+                   "runai_streamer"]))}
+    for server in servers.values():
+        server.launch()
+    for (uri, kind), server in servers.items():
+        assert server.wait_exit(180) != 0, (kind, uri)
+        assert reasons[uri] in server.output(), (kind, server.tail())
+        assert "Loading weights" not in server.output()
+    tpu_models_line = servers[(unfinished, "tpu-models")].output().strip().splitlines()[-1]
+    assert tpu_models_line.startswith(f"tpu-models serve: {reasons[unfinished]}")
+
+
+def test_an_adapter_or_draft_export_cut_short_is_refused_naming_it(bucket, tmp_path):
+    """--lora, --lora-modules and /v1/load_lora_adapter all read an adapter through
+    LoraAdapter, and a gs:// draft is copied by local_draft: an export killed before
+    its manifest is refused there, before a file is copied."""
+    from tests.tiny import make_lora, make_qwen3
+    from tpu_models.loaders.lora import LoraAdapter
+
+    adapter = make_lora(make_qwen3(tmp_path / "base"), tmp_path / "adapter", r=4, seed=1)
+    uri = bucket.upload(adapter, "cut/adapter")
+    assert LoraAdapter(uri).rank == 4
+    blob(bucket, f"{uri}/{INCOMPLETE}").upload_from_string("{}")
+    with pytest.raises(CheckpointError) as error:
+        LoraAdapter(uri)
+    assert str(error.value).startswith(f"LoRA adapter {uri}: an unfinished export: {MANIFEST}")
+    from tpu_models.loaders.object_storage import local_draft
+    with pytest.raises(CheckpointError, match=f"^{uri}: an unfinished export"):
+        local_draft(uri, lambda _: pytest.fail("copied"))

@@ -15,7 +15,8 @@ import os
 from tpu_models.adapt import guard
 
 # Upstream subsystems, in the order their patches are installed.
-MODULES = ("topology", "topology_programs", "host_portability", "rpa_interpret", "rpa_kernel", "engine", "loading", "compilation", "kv_cache", "lora",
+MODULES = ("topology", "topology_programs", "host_portability", "rpa_interpret", "rpa_kernel",
+           "engine", "object_storage", "loading", "compilation", "kv_cache", "lora",
            "speculative", "structured_output", "sampling", "spec_fusion",
            "request_checks")
 _applied = False

@@ -97,6 +97,8 @@ STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the
 # Speed only: refused, an EAGLE-3 step launches tpu-inference's programs one by one.
 SPEC_FUSION = Feature("EAGLE-3 verification and drafting in one program per step",
                       lambda *_: False, "")
+EXPORT_MARKERS = Feature("exports cut short refused on every serve path", lambda *_: True,
+                         "check with tpu-models inspect before serving")
 KV_BUDGET = Feature("--kv-cache-memory-bytes on a TPU",
                     lambda c, _: bool(c.cache_config.kv_cache_memory_bytes),
                     "size the cache with --gpu-memory-utilization")
@@ -246,4 +248,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
             LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP,
-            SPEC_FUSION, KV_BUDGET, COMPILE_ONLY, LOG)
+            SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY, LOG)
