@@ -12,12 +12,19 @@ is refused after.
 
 Small things (LoRA adapters, speculative drafts) are copied instead:
 `local_copy` pulls them into a temporary directory with the streamer's own
-helper.
+helper. `checked_stream` watches the weight stream itself: a storage server that
+stops answering is named within a minute, not after the streamer's 15 minutes
+of retries.
 """
 
+import atexit
 import contextlib
 import json
+import os
+import queue
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
@@ -207,3 +214,84 @@ def _read_headers(files: list[str]) -> list[tuple[int, dict]]:
                                   f"({e})") from e
     return headers
 
+
+# --- the weight stream, watched --------------------------------------------------
+
+# Seconds without a streamed tensor before we ask whether the storage server still answers.
+STREAM_STALL = "TPU_MODELS_STREAM_STALL_S"
+
+
+def checked_stream(weights, checkpoint):
+    """The stream, its failures naming the checkpoint, refused if the storage server
+    stops answering, and refused at its end if an object changed while it was read."""
+    try:
+        yield from _watched(weights, checkpoint)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the streamer's own errors: a lost connection, a short read
+        raise CheckpointError(f"{checkpoint.source}: streaming the weights failed "
+                              f"({type(e).__name__}: {e})") from e
+    if isinstance(checkpoint, ObjectStorageCheckpoint):
+        checkpoint.check_unchanged()
+
+
+def _exit_past_the_streamer() -> None:
+    # The streamer's client thread keeps retrying the lost server, and its C++
+    # destructors wait for it at exit (15 minutes): leave before they run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _watched(weights, checkpoint):
+    """`weights`, each item fetched on a helper thread only when asked for (the
+    streamer may reuse a tensor's buffer for the next), so that a stream stuck on a
+    storage server that went away is noticed: every STREAM_STALL_S seconds without
+    a tensor, the server is asked for a listing (a large tensor from a busy server
+    may take longer; only a server that refuses, or times out three times in a
+    row, ends the load)."""
+    if not isinstance(checkpoint, ObjectStorageCheckpoint):
+        yield from weights
+        return
+    stall = float(os.environ.get(STREAM_STALL, "20"))
+    asks, replies = queue.Queue(), queue.Queue()
+
+    def fetch():
+        while asks.get():
+            try:
+                replies.put(("tensor", next(weights)))
+            except StopIteration:
+                replies.put(("end", None))
+                return
+            except BaseException as e:  # handed to the consumer, raised there
+                replies.put(("error", e))
+                return
+
+    threading.Thread(target=fetch, daemon=True, name="tpu-models-weight-stream").start()
+    unread = {i.name: i.file for i in checkpoint.tensors.values()}
+    timeouts = 0
+    try:
+        while True:
+            asks.put(True)
+            waited = 0.0
+            while True:
+                try:
+                    kind, item = replies.get(timeout=stall)
+                    break
+                except queue.Empty:
+                    waited += stall
+                    scheme = checkpoint.source.split("://", 1)[0]
+                    files = sorted({f"{scheme}://{f}" for f in unread.values()})
+                    try:
+                        timeouts = checkpoint.check_reachable(files, waited, timeouts)
+                    except CheckpointError:
+                        atexit.register(_exit_past_the_streamer)
+                        raise
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            unread.pop(item[0], None)
+            yield item
+    finally:
+        asks.put(False)  # a thread still inside the streamer stays there: the load failed

@@ -19,7 +19,7 @@ def main(uri: str, checkpoint: Path) -> None:
 
     from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
     from tpu_models.loaders.object_storage import ObjectStorageCheckpoint
-    from tpu_models.runtime import _checked_stream
+    from tpu_models.loaders.object_storage import checked_stream
 
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     client = boto3.client("s3")
@@ -31,12 +31,12 @@ def main(uri: str, checkpoint: Path) -> None:
     assert ({n: (i.shape, i.dtype, i.file.name) for n, i in remote.tensors.items()} ==
             {n: (i.shape, i.dtype, i.file.name) for n, i in HfCheckpoint(checkpoint).tensors.items()})
     local = {n: t for f in sorted(checkpoint.glob("*.safetensors")) for n, t in load_file(f).items()}
-    streamed = dict(_checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote))
+    streamed = dict(checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote))
     assert streamed.keys() == local.keys()
     for name, tensor in streamed.items():
         np.testing.assert_array_equal(tensor.numpy(), local[name], err_msg=name)
 
-    stream = _checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
+    stream = checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
     next(stream)
     shard = checkpoint / "model-00002-of-00003.safetensors"
     data = shard.read_bytes()

@@ -241,12 +241,12 @@ def test_an_object_replaced_while_streamed_is_refused_naming_it(in_bucket, tmp_p
     from vllm.model_executor.model_loader.weight_utils import runai_safetensors_weights_iterator
 
     from tpu_models.loaders.hf import CheckpointError
-    from tpu_models.runtime import _checked_stream
+    from tpu_models.loaders.object_storage import checked_stream
 
     checkpoint = reshard(make_qwen3(tmp_path / "q"))
     uri = in_bucket.upload(checkpoint, name="replaced")
     remote = ObjectStorageCheckpoint(uri, checkpoint)
-    stream = _checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
+    stream = checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
     next(stream)
     in_bucket.upload(checkpoint, name="replaced")  # every shard again: new generations
     with pytest.raises(CheckpointError, match=rf"^{uri}/model-0000[123]-of-00003.safetensors: "
@@ -254,7 +254,7 @@ def test_an_object_replaced_while_streamed_is_refused_naming_it(in_bucket, tmp_p
         list(stream)
     # Unchanged, the same stream ends quietly with every tensor.
     remote = ObjectStorageCheckpoint(uri, checkpoint)
-    names = [n for n, _ in _checked_stream(
+    names = [n for n, _ in checked_stream(
         runai_safetensors_weights_iterator(remote.files, False), remote)]
     assert sorted(names) == sorted(remote.tensors)
 
@@ -266,10 +266,10 @@ host.setup_host("cpu")
 from vllm.model_executor.model_loader.weight_utils import runai_safetensors_weights_iterator
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.object_storage import ObjectStorageCheckpoint
-from tpu_models.runtime import _checked_stream
+from tpu_models.loaders.object_storage import checked_stream
 
 remote = ObjectStorageCheckpoint(sys.argv[1], sys.argv[2])
-stream = _checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
+stream = checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
 next(stream)
 print("streaming", flush=True)
 sys.stdin.readline()

@@ -29,7 +29,6 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from vllm.config import VllmConfig
 
 from tpu_models import registry, runtime
-from tpu_models.adapt import guard
 from tpu_models.lora import AdapterSlots, LoraBatch
 from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
@@ -184,7 +183,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
     WeightLoader = runtime.StreamedWeights  # takes vLLM's weight stream (object storage)
 
     def __init__(self, vllm_config: VllmConfig, rng_key: jax.Array, mesh: Mesh):
-        guard.require(vllm_config, type(self))  # features whose adaptation cannot apply
+        runtime.check_before_build(vllm_config, type(self))  # what the seam refuses here
         settings = runtime.EngineSettings.from_vllm_config(vllm_config, mesh)
         self.vllm_config = vllm_config
         self.cfg = cfg = self.config_class.from_hf_config(

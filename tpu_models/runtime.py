@@ -1,11 +1,8 @@
 """What our models take from the running engine: settings and checkpoint loading."""
 
-import atexit
 import dataclasses
 import os
-import queue
-import sys
-import threading
+from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh
@@ -18,10 +15,10 @@ from vllm.config import VllmConfig
 
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_finite
 from tpu_models.loaders.lora import LoraAdapter
-from tpu_models.loaders.object_storage import ObjectStorageCheckpoint, is_object_storage
+from tpu_models.loaders.object_storage import (ObjectStorageCheckpoint, checked_stream,
+                                               is_object_storage)
 from tpu_models.loaders.tables import check_checkpoint
 from tpu_models.quant import checkpoint as prequantized
-from tpu_models.adapt import loading, request_checks
 
 logger = init_logger(__name__)
 
@@ -37,8 +34,27 @@ STREAMED = "runai_streamer"
 # The streamer's read buffer; its default (40 GB, capped at the checkpoint's size) held
 # a whole copy of the weights beside them. "0": the largest tensor, as a local load.
 STREAMER_MEMORY_LIMIT = "RUNAI_STREAMER_MEMORY_LIMIT"
-# Seconds without a streamed tensor before we ask whether the storage server still answers.
-STREAM_STALL = "TPU_MODELS_STREAM_STALL_S"
+
+
+@dataclasses.dataclass
+class Seam:
+    """What the adaptations (tpu_models.adapt) add to building and loading our models.
+    The plugin fills it in: the core imports no patch."""
+    # (vllm_config, model class) -> None, raising to refuse: features the seam could
+    # not adapt here, server defaults it refuses.
+    build_checks: list[Callable[[VllmConfig, type], None]] = dataclasses.field(
+        default_factory=list)
+    # (name, tensor, served torch dtype) -> the tensor, marked for the loader to cast in
+    # its own pass; None: cast here.
+    cast_by_loader: Callable | None = None
+
+
+SEAM = Seam()
+
+
+def check_before_build(vllm_config: VllmConfig, model_class: type) -> None:
+    for check in SEAM.build_checks:
+        check(vllm_config, model_class)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +77,6 @@ class EngineSettings:
             raise ValueError(f"tpu-models: --kv-cache-dtype {kv_cache_dtype} is not supported "
                              f"by our attention (supported: {', '.join(KV_CACHE_DTYPES)})")
         check_prequantized(vllm_config)
-        request_checks.check_server_defaults(vllm_config.model_config)
         return cls(
             dtype=vllm_config.model_config.dtype,
             quant_config=getattr(vllm_config, "quant_config", None),
@@ -152,84 +167,8 @@ def weight_stream(vllm_config: VllmConfig, checkpoint, weights, check_weights: b
     os.environ.setdefault(STREAMER_MEMORY_LIMIT, "0")  # read by the stream's first step
     logger.info("tpu-models: streaming weights from %s (%s=%s)", checkpoint.source,
                 STREAMER_MEMORY_LIMIT, os.environ[STREAMER_MEMORY_LIMIT])
-    weights = _checked_stream(weights, checkpoint)
+    weights = checked_stream(weights, checkpoint)
     return check_finite(weights, str(checkpoint.source)) if check_weights else weights
-
-
-def _checked_stream(weights, checkpoint):
-    """The stream, its failures naming the checkpoint, refused if the storage server
-    stops answering, and refused at its end if an object changed while it was read."""
-    try:
-        yield from _watched(weights, checkpoint)
-    except CheckpointError:
-        raise
-    except Exception as e:  # the streamer's own errors: a lost connection, a short read
-        raise CheckpointError(f"{checkpoint.source}: streaming the weights failed "
-                              f"({type(e).__name__}: {e})") from e
-    if isinstance(checkpoint, ObjectStorageCheckpoint):
-        checkpoint.check_unchanged()
-
-
-def _exit_past_the_streamer() -> None:
-    # The streamer's client thread keeps retrying the lost server, and its C++
-    # destructors wait for it at exit (15 minutes): leave before they run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _watched(weights, checkpoint):
-    """`weights`, each item fetched on a helper thread only when asked for (the
-    streamer may reuse a tensor's buffer for the next), so that a stream stuck on a
-    storage server that went away is noticed: every STREAM_STALL_S seconds without
-    a tensor, the server is asked for a listing (a large tensor from a busy server
-    may take longer; only a server that refuses, or times out three times in a
-    row, ends the load)."""
-    if not isinstance(checkpoint, ObjectStorageCheckpoint):
-        yield from weights
-        return
-    stall = float(os.environ.get(STREAM_STALL, "20"))
-    asks, replies = queue.Queue(), queue.Queue()
-
-    def fetch():
-        while asks.get():
-            try:
-                replies.put(("tensor", next(weights)))
-            except StopIteration:
-                replies.put(("end", None))
-                return
-            except BaseException as e:  # handed to the consumer, raised there
-                replies.put(("error", e))
-                return
-
-    threading.Thread(target=fetch, daemon=True, name="tpu-models-weight-stream").start()
-    unread = {i.name: i.file for i in checkpoint.tensors.values()}
-    timeouts = 0
-    try:
-        while True:
-            asks.put(True)
-            waited = 0.0
-            while True:
-                try:
-                    kind, item = replies.get(timeout=stall)
-                    break
-                except queue.Empty:
-                    waited += stall
-                    scheme = checkpoint.source.split("://", 1)[0]
-                    files = sorted({f"{scheme}://{f}" for f in unread.values()})
-                    try:
-                        timeouts = checkpoint.check_reachable(files, waited, timeouts)
-                    except CheckpointError:
-                        atexit.register(_exit_past_the_streamer)
-                        raise
-            if kind == "end":
-                return
-            if kind == "error":
-                raise item
-            unread.pop(item[0], None)
-            yield item
-    finally:
-        asks.put(False)  # a thread still inside the streamer stays there: the load failed
 
 
 def load_checkpoint(model: LoadableWithIterator, table: dict, *, optional=(),
@@ -294,7 +233,7 @@ def _return_freed_memory() -> None:
 def default_loaded(model) -> set[str]:
     """Names of the parameters tpu-inference's default loader will fill (no
     quantization hook), where the one-pass conversion is installed (adapt.loading)."""
-    if not loading.installed():
+    if SEAM.cast_by_loader is None:
         return set()
     return {name for name, param in model.named_parameters()
             if not hasattr(param, "weight_loader")}
@@ -312,7 +251,7 @@ def in_dtype(tensors, dtype, *, names: set[str], in_loader: set[str] = frozenset
     for name, tensor in tensors:
         if name in names and tensor.is_floating_point() and tensor.element_size() >= 2:
             if name in in_loader:
-                tensor = loading.mark(name, tensor, dtype)
+                tensor = SEAM.cast_by_loader(name, tensor, dtype)
             elif tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
         yield name, tensor
