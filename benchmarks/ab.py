@@ -50,7 +50,7 @@ def checkout(rev: str, into: Path) -> tuple[Path, str]:
 
 def checkpoint(args, work: Path) -> str | None:
     if args.shape:
-        from tpu_models.benchmarks.checkpoints import random_checkpoint
+        from tpu_models.harness.random_checkpoints import random_checkpoint
         return str(random_checkpoint(args.shape, work / args.shape))
     if args.model == "demo":
         return None
@@ -69,7 +69,7 @@ def vocab_size(model: str | None) -> int:
 
 def measure(args) -> dict:
     from tpu_models.benchmarks import serving
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     base_path, base_cli = checkout(args.base, work / "base")
@@ -118,7 +118,7 @@ def measure(args) -> dict:
 
 @contextlib.contextmanager
 def _launched(servers):
-    from tpu_models.benchmarks.process import launched
+    from tpu_models.harness.serve_process import launched
     with launched(servers):
         for server in servers.values():
             server.start()

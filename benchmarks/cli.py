@@ -99,10 +99,10 @@ def _vocabulary(tokenizer_dir: str) -> tuple[int, set[int]]:
 
 def bench_serve(args) -> dict:
     from tpu_models.benchmarks import serving
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     if args.shape:
-        from tpu_models.benchmarks.checkpoints import random_checkpoint
+        from tpu_models.harness.random_checkpoints import random_checkpoint
         args.model = str(random_checkpoint(
             args.shape, Path(tempfile.mkdtemp(prefix="tpu-models-bench-")) / args.shape))
     tokenizer = args.tokenizer or args.model

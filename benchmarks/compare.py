@@ -34,7 +34,7 @@ def make_pair(directory: Path, shape: dict) -> tuple[Path, Path]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tpu_models.benchmarks.checkpoints import add_structural_head, word_tokenizer
+    from tpu_models.harness.random_checkpoints import add_structural_head, word_tokenizer
 
     builtin, ours = directory / "qwen3", directory / "qwen3-structural"
     tokenizer = word_tokenizer(shape["vocab_size"])
@@ -57,7 +57,7 @@ def serve_side_by_side(models: dict[str, Path], concurrencies, *, rounds, input_
     Returns ({label: one row per concurrency, each metric the median of its
     runs}, {label: startup seconds}); servers start one after the other."""
     from tpu_models.benchmarks import serving
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     with contextlib.ExitStack() as stack:
         servers = {label: stack.enter_context(Server(

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tpu_models.benchmarks.checkpoints import shape_config, word_tokenizer
+from tpu_models.harness.random_checkpoints import shape_config, word_tokenizer
 
 LONG = ["--max-model-len", "32768"]
 TP8 = ["--tensor-parallel-size", "8", *LONG]

@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
         model = OpenAI(base_url=f"{base_url}/v1",
                        api_key=args.api_key or "unused").models.list().data[0].id
     else:
-        from tpu_models.benchmarks.process import Server
+        from tpu_models.harness.serve_process import Server
         log = Path(tempfile.mkdtemp(prefix="demo-quality-")) / "serve.log"
         server = Server(args.model, "--served-model-name", "demo", "--max-model-len", "256",
                         "--kv-cache-memory-bytes", str(256 << 20), log=log).start()

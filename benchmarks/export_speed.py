@@ -49,7 +49,7 @@ def write_checkpoint(directory: Path, config: dict) -> tuple[int, int]:
     """Random weights in MaxText's scanned layout; returns (total bytes, largest leaf bytes)."""
     import orbax.checkpoint as ocp
 
-    from tpu_models.benchmarks.checkpoints import hf_to_maxtext
+    from tpu_models.harness.random_checkpoints import hf_to_maxtext
     from tpu_models import registry
 
     arch = registry.by_export_name("qwen3-structural")
@@ -93,7 +93,7 @@ def run_measured(command: list[str], env: dict | None = None) -> tuple[float, in
 
 
 def emulated_bucket(name: str = "export-bench"):
-    from tpu_models.benchmarks.gcs_emulator import emulator
+    from tpu_models.harness.storage_emulator import emulator
     return emulator(name)
 
 

@@ -19,7 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from tpu_models.benchmarks.checkpoints import SHAPES as REAL_SHAPES, random_gemma3
+from tpu_models.harness.random_checkpoints import SHAPES as REAL_SHAPES, random_gemma3
 
 GEMMA3_1B = {k: v for k, v in REAL_SHAPES["gemma3-1b"].items() if k != "arch"}
 SHAPES = {
@@ -42,7 +42,7 @@ def measure(model: Path, *, max_model_len: int, batched_tokens: int, kv_bytes: i
             vocab_size: int, log_dir: Path) -> dict:
     """Per mode: vLLM's KV capacity, then (with concurrencies) the decode sweep."""
     from tpu_models.benchmarks import serving
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     results = {}
     for mode, args in MODES.items():

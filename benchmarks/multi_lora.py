@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tpu_models.benchmarks import serving
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tpu_models.server.serve import DEFAULT_MODEL, DEFAULT_NAME
 
 SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 << 20)]

@@ -41,7 +41,7 @@ DEFAULT_PRESETS = ("int8-weight-only", "int8", "fp8", "int4-weight-only", "kv:fp
 def build(model_dir, quant: str | None = None, **stepper_args):
     """A Stepper over model_dir, quantized with a preset or rules file, or with
     its KV cache stored as `kv:DTYPE` (e.g. kv:fp8); None: unquantized."""
-    from tpu_models.benchmarks.stepper import Stepper
+    from tpu_models.harness.stepper import Stepper
     from tpu_models.quant import rules
 
     if quant is not None and quant.startswith("kv:"):
@@ -275,7 +275,7 @@ def main(argv=None) -> list[dict]:
     if args.speed_shape:
         import tempfile
 
-        from tpu_models.benchmarks.checkpoints import shape_config
+        from tpu_models.harness.random_checkpoints import shape_config
         from tpu_models.benchmarks.step import make_model_dir
         model = str(make_model_dir(shape_config("qwen3-0.6b", num_layers=args.speed_shape,
                                                 vocab_size=args.speed_vocab),

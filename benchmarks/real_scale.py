@@ -26,7 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from tpu_models.benchmarks.checkpoints import SHAPES, random_checkpoint
+from tpu_models.harness.random_checkpoints import SHAPES, random_checkpoint
+from tpu_models.harness.serve_process import TreeMemory
 
 PROMPT_TOKENS = 16
 SHORT, LONG = 8, 72
@@ -43,38 +44,9 @@ def model_step(shape: str, context: int, work: Path) -> dict:
     return {"step_ms": row["step_ms"], "limit_ms": row["limit_ms"], "weight_mb": row["weight_mb"]}
 
 
-class TreeMemory:
-    """Peak memory of a process and its children, sampled every 0.1 s, as their summed
-    proportional set size: pages a forked engine core shares with the API server count
-    once (their RSS would count them in both)."""
-
-    def __init__(self, pid: int):
-        import psutil
-        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def now(self) -> int:
-        import psutil
-        total = 0
-        for p in [self.root, *self.root.children(recursive=True)]:
-            try:
-                total += p.memory_full_info().pss
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
-    def _watch(self):
-        while not self._stop.wait(0.1):
-            self.peak = max(self.peak, self.now())
-
-    def stop(self) -> int:
-        self._stop.set()
-        return self.peak
-
-
 def served(model: Path, work: Path, name: str) -> dict:
     from tpu_models.benchmarks.serving import server_counters
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     server = Server(model, "--max-model-len", "512", "--max-num-seqs", "8",
                     "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--served-model-name", name,

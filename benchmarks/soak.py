@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         if not base_url.startswith(("http://127.", "http://localhost", "http://[::1]")):
             sys.exit("soak: loopback servers only (http://127.0.0.1:PORT)")
     else:
-        from tpu_models.benchmarks.process import Server
+        from tpu_models.harness.serve_process import Server
         log = Path(tempfile.mkdtemp(prefix="soak-")) / "serve.log"
         server = Server(args.model, "--dtype", "float32", "--max-model-len",
                         str(args.max_model_len), log=log, api_key="soak-key").start()

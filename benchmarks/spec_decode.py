@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tpu_models.benchmarks import serving
 from tpu_models.benchmarks.demo_data import free_held_out, held_out
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
 
 MAX_TOKENS = 64

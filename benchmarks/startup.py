@@ -85,7 +85,7 @@ def start_once(model: str | None, args: list[str], cache: Path, log: Path,
                probes: list[tuple[int, int]] = (), vocab: int = 1000) -> dict:
     """One start, timed, with its peak RSS until ready; with `probes`: first-token
     latencies at ready and once settled; with `prompt`: its greedy tokens."""
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
     server = Server(model, *args, log=log, env={"VLLM_XLA_CACHE_PATH": str(cache), **(env or {})},
                     settle=False)
     launched = time.time()
@@ -204,7 +204,7 @@ def from_storage(model: str, args: list[str], work: Path, rounds: int) -> dict:
 
     import numpy as np
 
-    from tpu_models.benchmarks.gcs_emulator import emulator
+    from tpu_models.harness.storage_emulator import emulator
 
     with emulator("tpu-models-bench") as (url, client):
         bucket = client.bucket("tpu-models-bench")
@@ -310,7 +310,7 @@ def main(argv=None) -> None:
     p.add_argument("--server-args", default="--max-model-len 256 --kv-cache-memory-bytes 268435456",
                    help="for `tpu-models serve`")
     p.add_argument("--shape", help="a random-weight checkpoint of this real shape instead "
-                                   "of MODEL (benchmarks/checkpoints.py: qwen3-0.6b, gemma3-1b)")
+                                   "of MODEL (harness/random_checkpoints.py: qwen3-0.6b, gemma3-1b)")
     p.add_argument("--storage", choices=["emulator"],
                    help="also serve it from gs:// on a Cloud Storage emulator (warm starts, "
                         "alternated with local ones)")
@@ -322,7 +322,7 @@ def main(argv=None) -> None:
     work = Path(tempfile.mkdtemp(prefix="tpu-models-startup-"))
     server_args = shlex.split(args.server_args)
     if args.shape:
-        from tpu_models.benchmarks.checkpoints import random_checkpoint
+        from tpu_models.harness.random_checkpoints import random_checkpoint
         args.model = str(random_checkpoint(args.shape, work / args.shape))
     document = {"benchmark": "startup", "model": args.shape or args.model or "embedded demo",
                 "server_args": server_args}

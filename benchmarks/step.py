@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpu_models.benchmarks.checkpoints import SHAPES, shape_config
+from tpu_models.harness.random_checkpoints import SHAPES, shape_config
 from tpu_models import adapt, host  # light at import: safe before the host is set up
 
 def timed(fn, repeats: int, warmup: int = 3) -> float:
@@ -154,7 +154,7 @@ def measure(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from tpu_models.benchmarks.stepper import Stepper  # the runner-like harness the parity tests use
+    from tpu_models.harness.stepper import Stepper  # the runner-like harness the parity tests use
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "tpu" else "float32")
     config = shape_config(args.shape, num_layers=args.layers, vocab_size=args.vocab_size)

@@ -55,7 +55,7 @@ def measure(args) -> dict:
     """Serves one model and alternates our runs and `vllm bench serve`'s on it: each side's
     runs (its metrics, plus the server's view), and their client CPU seconds."""
     from tpu_models.benchmarks.compare import DEFAULT_SHAPE, make_pair
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     num_prompts = args.num_prompts or serving.default_num_prompts(args.concurrency)
     work = Path(tempfile.mkdtemp(prefix="bench-agreement-"))

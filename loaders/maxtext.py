@@ -22,7 +22,7 @@ Each architecture's mapping (MaxTextMapping, in tpu_models/<arch>/checkpoints.py
 names its layer's leaves and conventions; Dense layers our fork adds (the
 structural head) are found wherever they sit: any `.../structural_head/{kernel, bias}`.
 
-The same tables, read backwards (`tpu_models.benchmarks.checkpoints.hf_to_maxtext`),
+The same tables, read backwards (`tpu_models.harness.random_checkpoints.hf_to_maxtext`),
 write MaxText's layout from HF tensors; the tests build fixtures that way.
 """
 

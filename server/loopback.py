@@ -1,7 +1,7 @@
 """A `tpu-models serve` process on loopback, in a process group of its own.
 
 What `tpu-models doctor` (server/doctor.py) and the tests' and benchmarks'
-harness (benchmarks/process.py) share: a free port, the launch, the health
+harness (harness/serve_process.py) share: a free port, the launch, the health
 check and the stop. Standard library only.
 """
 

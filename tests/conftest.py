@@ -24,7 +24,7 @@ DEMO_API_KEY = "test-key"
 def demo_server(tmp_path_factory):
     """`tpu-models serve` with no model (the embedded demo), as the README starts it, plus
     an API key; shared by the demo, request-validation, soak and benchmark smoke tests."""
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
     log = tmp_path_factory.mktemp("demo-server") / "serve.log"
     with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20),
                 log=log, api_key=DEMO_API_KEY, env={"SKIP_JAX_PRECOMPILE": "0"}) as server:

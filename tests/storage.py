@@ -63,7 +63,7 @@ def emulated_bucket():
     yields a Bucket; stops the server after."""
     from google.cloud import storage
 
-    from tpu_models.benchmarks.gcs_emulator import emulator
+    from tpu_models.harness.storage_emulator import emulator
 
     real = os.environ.get(REAL_BUCKET)
     if real:

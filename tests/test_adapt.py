@@ -5,7 +5,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_models.benchmarks.stepper import load_plugins
+from tpu_models.harness.stepper import load_plugins
 
 
 def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
@@ -92,7 +92,7 @@ original_prepare = StructuredDecodingManager.prepare_structured_decoding_input
 
 from vllm.engine.arg_utils import EngineArgs
 from tpu_models.adapt import guard
-from tpu_models.benchmarks.stepper import Stepper, load_plugins
+from tpu_models.harness.stepper import Stepper, load_plugins
 from tpu_models.server.serve import DEFAULT_MODEL, EAGLE3_DRAFT
 from tests.tiny import make_gemma3
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, count_nonfinite
 from tpu_models.loaders.tables import check_checkpoint, read_config
 from tpu_models import registry
-from tpu_models.benchmarks.stepper import Stepper
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.stepper import Stepper
+from tpu_models.harness.serve_process import Server, launched
 from tpu_models.server.serve import build_command
 from tests.tiny import make_qwen3
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.serve_process import Server, launched
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_gemma3, make_qwen3
 

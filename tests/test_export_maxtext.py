@@ -19,9 +19,9 @@ from safetensors.numpy import load_file, save_file
 
 from tpu_models.loaders.export import maxtext
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
-from tpu_models.benchmarks.checkpoints import hf_to_maxtext
+from tpu_models.harness.random_checkpoints import hf_to_maxtext
 from tpu_models.registry import by_export_name as arch
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 from tests.tiny import Reference, make_gemma3, make_qwen3, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"

@@ -18,7 +18,7 @@ import pytest
 from tpu_models.loaders import export
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models import registry
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 from tests.tiny import Reference, make_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tunix"

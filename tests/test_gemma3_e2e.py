@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tests.test_serve_e2e import MAX_TOKENS, complete_all
 from tests.tiny import Reference, make_gemma3, make_lora
 

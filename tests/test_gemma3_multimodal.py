@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 from tests.tiny import make_tokenizer
 
 

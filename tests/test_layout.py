@@ -18,7 +18,8 @@ ROOMS = {
     "quant": {"quant", "loaders"},
     "models": {"models", "loaders", "quant"},
     "server": {"server", "models", "loaders", "quant"},
-    "benchmarks": {"benchmarks", "server", "models", "loaders", "quant"},
+    "harness": {"harness", "server", "models", "loaders", "quant"},
+    "benchmarks": {"benchmarks", "harness", "server", "models", "loaders", "quant"},
 }
 
 

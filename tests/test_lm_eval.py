@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tests.tiny import make_gemma3
 
 pytestmark = pytest.mark.e2e

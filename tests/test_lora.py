@@ -11,7 +11,7 @@ from tpu_models.loaders import export
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models.loaders.lora import LoraAdapter
 from tpu_models import registry
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 from tests.test_gemma3 import run_steps
 from tests.tiny import Reference, check_exactly, make_lora, make_qwen3
 

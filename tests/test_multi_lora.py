@@ -10,7 +10,7 @@ import pytest
 from vllm.lora.request import LoRARequest
 
 from tpu_models.lora import AdapterError
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 from tests.tiny import Reference, make_lora
 
 # Different ranks, targets and scalings: every projection, rsLoRA, a rank-2 pair.
@@ -183,7 +183,7 @@ def test_served_adapters_share_batches_load_and_unload(qwen3, tmp_path):
     a 400 that names them while the server keeps serving."""
     import requests as http
 
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     adapters = adapters_for(qwen3, tmp_path)
     references = {"tiny": Reference(qwen3)} | {
@@ -238,7 +238,7 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
     import sys
     from pathlib import Path
 
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
     from tests.test_export_tunix import FIXTURES, fixture, hf_config_dir, tunix
 
     meta, tokens = fixture("gemma3")
@@ -272,7 +272,7 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
 
 @pytest.mark.e2e
 def test_a_bad_lora_modules_entry_stops_start_up_naming_it(qwen3, tmp_path):
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
 
     bad = make_lora(qwen3, tmp_path / "biased", r=2)
     edit_config(bad, bias="lora_only")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tpu_models.loaders.hf import HfCheckpoint
 from tpu_models.loaders.object_storage import ObjectStorageCheckpoint
 from tpu_models.server.serve import build_command

@@ -356,7 +356,7 @@ def test_a_qwen3_export_cut_short_is_refused_by_tpu_models_serve_and_vllm_serve(
     object), and with a shard of another size beside its manifest. `tpu-models serve`
     refuses both before vLLM starts, plain `vllm serve` when vLLM pulls its config
     (adapt/object_storage.py), each naming the prefix and the fault."""
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
     from tpu_models.loaders.export_marker import incomplete_marker, manifest
 
     exported = files(local_export)

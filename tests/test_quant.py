@@ -448,7 +448,7 @@ class ServerQueue:
         self.servers = {}
 
     def launch(self, index: int) -> None:
-        from tpu_models.benchmarks.process import Server
+        from tpu_models.harness.serve_process import Server
         if index in self.servers:
             return
         preset, arch, extra, env = SERVED[index]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 from tests.tiny import Reference, make_qwen3, reshard
 
 CONFIGS = {

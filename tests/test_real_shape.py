@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tests.tiny import Reference, make_gemma3
 
 pytestmark = pytest.mark.e2e

@@ -162,7 +162,7 @@ def servers(tmp_path_factory):
     """name -> (server, its model): Gemma 3 with `--reasoning-parser tunix` under plain
     `vllm serve`, and Qwen3-structural with qwen3 + hermes under `tpu-models serve`. Each
     launches as soon as its model is trained: Qwen3 trains while Gemma's server imports vLLM."""
-    from tpu_models.benchmarks.process import Server
+    from tpu_models.harness.serve_process import Server
     root = tmp_path_factory.mktemp("reasoning")
     common = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20),
               "--served-model-name", "tiny")

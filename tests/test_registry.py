@@ -1,6 +1,6 @@
 """Our plugin adds architectures without taking vLLM's own away."""
 
-from tpu_models.benchmarks.stepper import load_plugins
+from tpu_models.harness.stepper import load_plugins
 
 
 def test_vllm_keeps_its_pytorch_models_and_knows_ours():

@@ -12,7 +12,7 @@ import requests
 from scipy import stats
 
 from tests.tiny import Reference, make_gemma3, make_qwen3
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.serve_process import Server, launched
 
 pytestmark = pytest.mark.e2e
 

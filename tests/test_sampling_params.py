@@ -83,7 +83,7 @@ def test_a_checkpoint_default_the_sampler_cannot_apply_stops_start_up(qwen3, tmp
     would have every request refused, so start-up stops and says how to serve."""
     import shutil
 
-    from tpu_models.benchmarks.process import Server, launched
+    from tpu_models.harness.serve_process import Server, launched
     model = shutil.copytree(qwen3, tmp_path / "qwen3")
     (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05}))
     servers = {name: Server(model, "--max-model-len", "64", "--kv-cache-memory-bytes",

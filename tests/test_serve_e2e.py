@@ -7,7 +7,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tests.tiny import Reference, make_qwen3
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ import requests
 
 from tpu_models.benchmarks import demo_quality, serving
 from tpu_models.benchmarks.demo_data import held_out
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.serve_process import Server, launched
 from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_eagle3_draft, make_gemma3
@@ -136,7 +136,7 @@ def test_the_eagle3_draft_computes_in_the_served_dtype():
     from jax.sharding import Mesh
 
     from tpu_models.server.serve import DEFAULT_MODEL
-    from tpu_models.benchmarks.stepper import load_plugins
+    from tpu_models.harness.stepper import load_plugins
 
     load_plugins()
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
@@ -163,7 +163,7 @@ def test_the_eagle3_draft_places_its_logits_in_the_target_vocabulary():
 
     import jax.numpy as jnp
 
-    from tpu_models.benchmarks.stepper import load_plugins
+    from tpu_models.harness.stepper import load_plugins
 
     load_plugins()
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM

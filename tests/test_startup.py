@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tpu_models.adapt import host_portability
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tests.tiny import Reference, make_qwen3
 
 

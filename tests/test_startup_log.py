@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.serve_process import Server, launched
 from tpu_models import logs
 
 SILENCED = [prefix for table in (logs.OFF_TPU, logs.ALWAYS) for prefixes in table.values()

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tpu_models.benchmarks.process import Server
+from tpu_models.harness.serve_process import Server
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_gemma3, make_qwen3
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tpu_models import host
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.serve_process import Server, launched
 from tpu_models.benchmarks.demo_data import held_out
 from tests.test_serve_e2e import complete_all
 from tests.test_multi_lora import adapters_for, check_jobs, lora_modules, random_jobs
@@ -94,7 +94,7 @@ def test_the_interpreted_kernel_serves_long_prompts_on_its_default_budget(tmp_pa
     (4.8 GB here) met the OOM killer at the first prompts. Its own budget (two
     requests at --max-model-len) serves a 600-token prompt with transformers' tokens,
     the server's tree under 6 GB (2.9 GB measured)."""
-    from tpu_models.benchmarks.real_scale import TreeMemory
+    from tpu_models.harness.serve_process import TreeMemory
     from tpu_models.server.doctor import MODELS
 
     model = MODELS / "qwen3-structural"

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tpu_models.benchmarks import serving
-from tpu_models.benchmarks.process import Server, launched
+from tpu_models.harness.serve_process import Server, launched
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ import tests.conftest  # noqa: F401  (JAX on CPU, TPU identity)
 
 import numpy as np
 
-from tpu_models.benchmarks.stepper import Stepper
+from tpu_models.harness.stepper import Stepper
 
 
 def greedy(stepper, prompts, steps):

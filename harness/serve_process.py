@@ -4,6 +4,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ class Server(ServeProcess):
         self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
         # vLLM posts usage statistics to its server unless told not to: loopback only here.
         self.env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
-        self.cwd = cwd or Path(__file__).parents[1]
+        self.cwd = cwd  # None: this process's
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
@@ -132,3 +133,32 @@ class Server(ServeProcess):
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class TreeMemory:
+    """Peak memory of a process and its children, sampled every 0.1 s, as their summed
+    proportional set size: pages a forked engine core shares with the API server count
+    once (their RSS would count them in both)."""
+
+    def __init__(self, pid: int):
+        import psutil
+        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def now(self) -> int:
+        import psutil
+        total = 0
+        for p in [self.root, *self.root.children(recursive=True)]:
+            try:
+                total += p.memory_full_info().pss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def _watch(self):
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, self.now())
+
+    def stop(self) -> int:
+        self._stop.set()
+        return self.peak
