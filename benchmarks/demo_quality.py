@@ -1,10 +1,10 @@
 """Does the embedded demo answer in JSON? Held-out requests through a running server.
 
 For requests the training script never saw, in three sets: the generator's
-held-out sentences (benchmarks/demo_data.held_out) with "familiar" values
+held-out sentences (benchmarks/demo_sets.held_out) with "familiar" values
 (names, cities, ... training used) and with "novel" made-up values training
 never showed (the model must copy them); and "free", the frozen hand-written
-set of freely phrased sentences (benchmarks/demo_free_held_out.json): the
+set of freely phrased sentences (benchmarks/data/demo_free_held_out.json): the
 share of answers that parse as one JSON object, that match
 the record's JSON schema, that hold exactly the record's values, and per-field
 accuracy; greedy decoding, without and with guided decoding (OpenAI
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tpu_models.benchmarks.demo_data import FREE_DEV, SCHEMAS, free_held_out, held_out, json_schema
+from tpu_models.benchmarks.demo_sets import FREE_DEV, field_types, free_held_out, held_out, json_schema
 
 
 async def answer(client, model, example, guided):
@@ -35,10 +35,10 @@ async def answer(client, model, example, guided):
 
 
 def matches_schema(answer: dict, schema: str) -> bool:
-    fields = SCHEMAS[schema]["fields"]
+    fields = field_types(schema)
     return set(answer) == set(fields) and all(
-        isinstance(answer[k], int) if isinstance(v, tuple) else isinstance(answer[k], str)
-        for k, v in fields.items())
+        isinstance(answer[k], int) if kind == "integer" else isinstance(answer[k], str)
+        for k, kind in fields.items())
 
 
 def score(example, text) -> dict:

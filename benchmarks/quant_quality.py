@@ -158,7 +158,7 @@ def demo_sequences(model_dir, num: int) -> tuple[list[list[int]], list[list[int]
     """(prompts, prompts + reference answers) from the demo's held-out requests."""
     from transformers import AutoTokenizer
 
-    from tpu_models.benchmarks.demo_data import held_out
+    from tpu_models.benchmarks.demo_sets import held_out
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts, full = [], []
     for example in held_out(num):

@@ -47,7 +47,7 @@ def engine_run(name: str, requests: int, trace_dir: str) -> dict:
     import jax
     import vllm
 
-    from tpu_models.benchmarks.demo_data import held_out
+    from tpu_models.benchmarks.demo_sets import held_out
     from tpu_models.server.serve import DEFAULT_MODEL
 
     speculative = None if name == "plain" else SPECULATIVE["eagle3"]

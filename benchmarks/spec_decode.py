@@ -10,7 +10,7 @@ options); all serve at once, and the benchmark alternates between them,
 shared host drifts by 15-25% between minutes, which one method after the other
 read as a speed-up or a loss. Each run sends held-out demo requests, greedy,
 as streamed chat completions: per set, `novel` (template sentences whose
-values training never showed: benchmarks/demo_data.held_out) and `free` (the
+values training never showed: benchmarks/demo_sets.held_out) and `free` (the
 frozen hand-written set: demo_data.free_held_out). Reported per method and concurrency:
 output tok/s and median TPOT (vLLM bench serve's definitions,
 benchmarks/serving.py), medians over the runs; the draft acceptance rate and
@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from tpu_models.benchmarks import serving
-from tpu_models.benchmarks.demo_data import free_held_out, held_out
+from tpu_models.benchmarks.demo_sets import free_held_out, held_out
 from tpu_models.harness.serve_process import Server
 from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
 

@@ -1,4 +1,4 @@
-"""Self-check and stats of the freely phrased training generator (benchmarks/demo_phrasing.py):
+"""Self-check and stats of the freely phrased training generator (scripts/demo_phrasing.py):
 validate() over 20000 examples, sentence shapes and words per schema, where the integer sits, word counts,
 lowercase and made-up shares, the time for 40000 examples, and 30 samples. Seconds, CPU only:
     ./dev python scripts/demo_phrasing_stats.py
@@ -9,8 +9,8 @@ import random
 import re
 import time
 
-from tpu_models.benchmarks import demo_phrasing as dp
-from tpu_models.benchmarks import demo_phrasing_values as dv
+import demo_phrasing as dp
+import demo_phrasing_values as dv
 
 
 def number_position(example: dict) -> float:

@@ -1,8 +1,8 @@
 """Trains the embedded demo model: a 3.5M-parameter Qwen3-structural that answers in JSON.
 
 The whole path the product serves, in miniature:
-  1. synthetic requests -> JSON answers (benchmarks/demo_phrasing.py: freely
-     phrased, and a share of benchmarks/demo_data.py's templates), a byte-level
+  1. synthetic requests -> JSON answers (scripts/demo_phrasing.py: freely
+     phrased, and a share of scripts/demo_data.py's templates), a byte-level
      BPE tokenizer trained on them (`tokenizers`) with a chat template;
   2. a Qwen3-structural decoder trained on CPU with JAX/Optax, its parameters
      laid out as MaxText's unscanned Linen tree (token_embedder, decoder/
@@ -37,11 +37,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tpu_models.benchmarks.demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402
+from demo_data import TRAIN_SEED, TRAIN_SIZE, dataset  # noqa: E402 (beside this script)
 
 CONFIG = dict(vocab=512, hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, mlp=576,
               rope_theta=10000.0, eps=1e-6, max_len=96, space_apart=False)
-# --data free: freely phrased requests (benchmarks/demo_phrasing.py) beside the templates,
+# --data free: freely phrased requests (scripts/demo_phrasing.py) beside the templates,
 # longer sentences, names in many scripts' Latin letters: more vocabulary, width and length.
 FREE_CONFIG = dict(CONFIG, vocab=1024, hidden=256, heads=8, mlp=768, max_len=160,
                    space_apart=True)
@@ -57,7 +57,7 @@ def training_examples(data: str) -> list[dict]:
     examples = dataset(TRAIN_SIZE, TRAIN_SEED)
     if data == "templates":
         return examples
-    from tpu_models.benchmarks.demo_phrasing import free_dataset
+    from demo_phrasing import free_dataset
     CONFIG.update(FREE_CONFIG)
     rng = np.random.default_rng(FREE_SEED)
     kept = [examples[i] for i in rng.permutation(len(examples))[:int(FREE_SIZE * TEMPLATE_SHARE)]]

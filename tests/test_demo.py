@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.demo_sets import held_out
 from tpu_models.benchmarks.demo_quality import evaluate
 from tpu_models.server.serve import DEFAULT_NAME
 

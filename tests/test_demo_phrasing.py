@@ -1,13 +1,18 @@
-"""The freely phrased training generator (benchmarks/demo_phrasing.py): every example keeps the
-conventions, the output is seeded, and the phrasing varies. No model; about a second."""
+"""The demo's training-data generators (scripts/demo_phrasing.py, scripts/demo_data.py): every
+freely phrased example keeps the conventions, the output is seeded, the phrasing varies, and the
+held-out sets the benchmarks read (benchmarks/data/) are the generator's. No model; seconds."""
 
 import collections
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
-from tpu_models.benchmarks.demo_phrasing import FIELDS, RANGES, free_dataset, shape, validate
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # the generators live there
+
+from demo_phrasing import FIELDS, RANGES, free_dataset, shape, validate  # noqa: E402
 
 NUM = 3000
 # Per schema in free_dataset(3000) (~1000 examples each), seeds 0-2 measured: 947-1046 distinct
@@ -134,3 +139,10 @@ def test_the_integer_sits_anywhere_in_the_sentence(examples):
 def test_some_requests_are_all_lowercase(examples):
     lowercase = [e for e in examples if e["request"] == e["request"].lower()]
     assert 0.04 < len(lowercase) / NUM < 0.2
+
+
+def test_the_frozen_held_out_sets_are_the_generators():
+    import write_demo_sets
+    from tpu_models.benchmarks import demo_sets
+    assert json.loads(demo_sets.TEMPLATE_HELD_OUT.read_text()) == write_demo_sets.document()
+    assert demo_sets.held_out(5, novel=True) == write_demo_sets.held_out(5, novel=True)

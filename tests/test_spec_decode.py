@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tpu_models.benchmarks import demo_quality, serving
-from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.demo_sets import held_out
 from tpu_models.harness.serve_process import Server, launched
 from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
 from tests.test_serve_e2e import complete_all

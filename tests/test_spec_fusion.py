@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.test_spec_decode import chat_answers
-from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.demo_sets import held_out
 
 pytestmark = pytest.mark.e2e
 
@@ -113,7 +113,7 @@ def test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows():
     Tolerance: the two compute the rows' dots and attention in other orders (other
     row counts, the decode path's key blocks); fp32 dots of length K <= 768 (the
     MLP's) differ by at most K * eps relative to the magnitudes they sum, about 1e-4."""
-    from tpu_models.benchmarks.demo_data import free_held_out
+    from tpu_models.benchmarks.demo_sets import free_held_out
 
     requests = json.dumps([e["request"] for e in free_held_out()[:6]])
     run = subprocess.run(

@@ -8,7 +8,7 @@ import pytest
 
 from tpu_models import host
 from tpu_models.harness.serve_process import Server, launched
-from tpu_models.benchmarks.demo_data import held_out
+from tpu_models.benchmarks.demo_sets import held_out
 from tests.test_serve_e2e import complete_all
 from tests.test_multi_lora import adapters_for, check_jobs, lora_modules, random_jobs
 from tests.test_spec_decode import accepted_draft_tokens, chat_answers

@@ -147,7 +147,10 @@ def test_wheel_holds_one_import_root_and_its_data(wheel):
         for file in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"tpu_models/server/{model}/{file}" in names
     assert "tpu_models/server/doctor_models/expected.json" in names  # tpu-models doctor
-    assert "tpu_models/benchmarks/demo_free_held_out.json" in names  # demo_quality
+    for data in ("demo_free_held_out.json", "demo_template_held_out.json"):  # demo_quality
+        assert f"tpu_models/benchmarks/data/{data}" in names
+    assert not any("demo_phrasing" in n or "random_checkpoints" in n and "harness" not in n
+                   for n in names)  # the demo's training generators stay in scripts/
     presets = {p.name for p in (REPO / "quant" / "presets").glob("*.yaml")}
     assert presets and {n.split("/")[-1] for n in names
                         if n.startswith("tpu_models/quant/presets/")} == presets

@@ -8,15 +8,13 @@ are made-up words (random syllables), so the model learns to copy values out
 of the request rather than to recall a list. Held-out examples come from
 another seed and never repeat a training sentence; `held_out(novel=True)`
 uses only made-up words from that seed, values training never showed.
+The held-out sets the benchmarks and tests read are frozen from here as data
+(benchmarks/data/, by scripts/write_demo_sets.py).
 """
 
 import json
 import random
-from pathlib import Path
 
-# Hand-written, freely phrased requests: frozen, never for training or selection.
-FREE_HELD_OUT = Path(__file__).parent / "demo_free_held_out.json"
-FREE_DEV = Path(__file__).parent / "demo_free_dev.json"  # written apart; for model selection
 
 NAMES = ["Alice", "Bob", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
          "Keiko", "Liam", "Maya", "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sven", "Tara",
@@ -117,18 +115,3 @@ def held_out(num: int, novel: bool = False) -> list[dict]:
     known = {v for e in train for v in e["record"].values() if isinstance(v, str)}
     return [e for e in dataset(4 * num, HELD_OUT_SEED, made_up_share=1.0)
             if not known & {v for v in e["record"].values() if isinstance(v, str)}][:num]
-
-
-def free_held_out(path: Path = FREE_HELD_OUT) -> list[dict]:
-    """The frozen hand-written set (FREE_HELD_OUT; FREE_DEV: the one to choose
-    models on), each with its JSON answer."""
-    examples = json.loads(path.read_text())["examples"]
-    return [{**e, "answer": json.dumps(e["record"])} for e in examples]
-
-
-def json_schema(schema: str) -> dict:
-    """JSON Schema of one record type (for guided decoding)."""
-    props = {field: {"type": "integer"} if isinstance(values, tuple) else {"type": "string"}
-             for field, values in SCHEMAS[schema]["fields"].items()}
-    return {"type": "object", "properties": props, "required": list(props),
-            "additionalProperties": False}

@@ -5,7 +5,7 @@
 A bracket grammar over ~40 template lines per schema (statements, questions, requests, first person,
 listings, CRM and HR notes, appositions, the number first or last), key: value lines and bare lists in
 any order, fillers, clauses before and after that name no value, request frames, contractions, case and
-punctuation. Values: demo_phrasing_values.py. `validate` checks the conventions; digits other than the
+punctuation. Values: demo_phrasing_values.py and .json. `validate` checks the conventions; digits other than the
 integer may only sit inside the product ("Zenith X5 kettle"). Nothing here reads the frozen evaluation
 set. Stats and samples: ./dev python scripts/demo_phrasing_stats.py
 """
@@ -14,7 +14,7 @@ import json
 import random
 import re
 
-from tpu_models.benchmarks.demo_phrasing_values import (
+from demo_phrasing_values import (
     COLOR_RE, COLORS, CONTEXT, FIELDS, FRAMES, KEYS, MONEY, OPENERS, PLURAL, PREDICATES, PREFIXES, PRONOUNS,
     RANGES, SUFFIXES, values)
 
