@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-BASELINE = "import numpy, orbax.checkpoint, safetensors, tpu_models.loaders.export, tpu_models.loaders.maxtext"
+BASELINE = "import numpy, orbax.checkpoint, safetensors, tpu_models.loaders.exporter.convert, tpu_models.loaders.maxtext"
 
 
 def config_for(size_mb: float) -> dict:

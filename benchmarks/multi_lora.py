@@ -31,7 +31,7 @@ SERVER_ARGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(128 << 2
 def random_adapters(base: Path, out: Path, count: int, rank: int) -> list[Path]:
     """`count` PEFT adapters of `rank` on every projection of `base`, weights
     large enough to change its answers."""
-    from tpu_models.loaders.lora import LoraAdapter
+    from tpu_models.loaders.peft import LoraAdapter
     from tpu_models.loaders.tables import PROJECTIONS, read_config
     from tpu_models import registry
 

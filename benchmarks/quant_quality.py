@@ -42,7 +42,7 @@ def build(model_dir, quant: str | None = None, **stepper_args):
     """A Stepper over model_dir, quantized with a preset or rules file, or with
     its KV cache stored as `kv:DTYPE` (e.g. kv:fp8); None: unquantized."""
     from tpu_models.harness.stepper import Stepper
-    from tpu_models.quant import rules
+    from tpu_models.quant import qwix_rules as rules
 
     if quant is not None and quant.startswith("kv:"):
         stepper_args["kv_cache_dtype"] = quant[3:]

@@ -17,7 +17,7 @@ run also splits the step into attention (context 512 vs 1), sampling, and
 logits. With `--lora NxR` the engine runs with N adapter slots of rank R
 (--enable-lora), and each row is timed again with the batch's requests spread
 round-robin over N random adapters of rank R on every projection: the
-per-token cost of adapters chosen per request (tpu_models.lora).
+per-token cost of adapters chosen per request (tpu_models.lora_slots).
 
     python -m tpu_models.benchmarks.step [--shape gemma3-1b] [--batch 1,16] [--context 512] [--dtype bfloat16]
                               [--lora 4x16]

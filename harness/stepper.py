@@ -57,7 +57,7 @@ class Stepper:
         self.kv_caches = [jax.device_put(jnp.zeros(shape, cache_dtype), sharding)
                           for _ in range(self.num_layers)]
         self.page_order = np.random.default_rng(seed).permutation(num_pages - 1) + 1  # 0: padding
-        # enable_lora=True: adapters in slots, as the engine keeps them (tpu_models.lora)
+        # enable_lora=True: adapters in slots, as the engine keeps them (tpu_models.lora_slots)
         self.lora = None
         if self.vllm_config.lora_config is not None:
             self.lora = self.interface.model.adapter_slots(self.mesh)

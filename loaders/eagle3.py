@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tpu_models.loaders.export import copy_side_files
-from tpu_models.loaders.hf_writer import HfWriter
+from tpu_models.loaders.exporter.convert import copy_side_files
+from tpu_models.loaders.exporter.hf_writer import HfWriter
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 AUX_FIELD = "eagle_aux_hidden_state_layer_ids"

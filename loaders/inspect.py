@@ -70,7 +70,7 @@ def _hf(tensors: dict, files: int) -> dict:
 
 
 def _adapter(directory: Path) -> dict:
-    from tpu_models.loaders.lora import LoraAdapter
+    from tpu_models.loaders.peft import LoraAdapter
     adapter = LoraAdapter(directory)
     tensors = [(f"{n} (A, B)", (tuple(a.shape), tuple(b.shape)), str(a.dtype))
                for n, (a, b) in sorted(adapter.targets.items())]

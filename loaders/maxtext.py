@@ -34,7 +34,7 @@ import numpy as np
 
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.orbax_io import OrbaxCheckpoint
-from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.conversion_rules import Rule
 
 # MaxText's decoder layer, HF name below model.layers.{i}. -> leaf below the
 # layer's subtree; each architecture adds its norms (tpu_models/<arch>/checkpoints.py).

@@ -24,7 +24,7 @@ import numpy as np
 
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.orbax_io import OrbaxCheckpoint
-from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.conversion_rules import Rule
 
 # Tunix's MLP (both families), HF name -> Rule.
 MLP = {

@@ -241,7 +241,7 @@ def main():
 
     import orbax.checkpoint as ocp
 
-    from tpu_models.loaders.export import maxtext
+    from tpu_models.loaders.exporter.convert import maxtext
     from tpu_models import registry
     run = work / "maxtext-run"
     ocp.PyTreeCheckpointer().save((run / "checkpoints" / str(args.steps) / "items").absolute(),

@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> None:
         from tpu_models.server import serve
         serve.main(rest)
     elif command == "compile":
-        from tpu_models.server import compile as compile_
+        from tpu_models.server.tools import compile as compile_
         compile_.main(rest)
     elif command == "doctor":
         from tpu_models.server import doctor
         doctor.main(rest)
     elif command == "export":
-        from tpu_models.server import export
+        from tpu_models.server.tools import export
         export.main(rest)
     elif command == "inspect":
         if len(rest) != 1 or rest[0].startswith("-"):

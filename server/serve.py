@@ -16,7 +16,7 @@ from pathlib import Path
 from tpu_models.loaders.export_marker import check_export_complete
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.object_storage import is_object_storage
-from tpu_models.quant import rules as quant_rules
+from tpu_models.quant import qwix_rules as quant_rules
 from tpu_models.server import middleware
 from tpu_models import host, registry
 

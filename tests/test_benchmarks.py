@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tpu_models.benchmarks import cli as bench_cli
+from tpu_models.benchmarks import dispatch as bench_cli
 from tpu_models.benchmarks import serving
 from tpu_models.server import cli
 from tpu_models.server.serve import DEFAULT_MODEL

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tpu_models.loaders import hf_writer
-from tpu_models.loaders.export import lora_merge, maxtext
+from tpu_models.loaders.exporter import hf_writer
+from tpu_models.loaders.exporter.convert import lora_merge, maxtext
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
-from tpu_models.loaders.hf_writer import HfWriter, check_out
+from tpu_models.loaders.exporter.hf_writer import HfWriter, check_out
 from tpu_models import registry
 
 QWEN3 = registry.by_hf_name("Qwen3ForCausalLM")
@@ -33,7 +33,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "maxtext" / "qwen3_unscanned"
 # "_flush" once one shard is on disk, "_move_into_place" with every file written.
 STOPPED_CLI = """
 import os, sys, time
-from tpu_models.loaders import hf_writer
+from tpu_models.loaders.exporter import hf_writer
 stage, signal_file = os.environ["STOP_AT"], os.environ["STOP_SIGNAL"]
 original, calls = getattr(hf_writer.HfWriter, stage), []
 def stop(self, *args, **kwargs):

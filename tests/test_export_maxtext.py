@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tpu_models.loaders.export import maxtext
+from tpu_models.loaders.exporter.convert import maxtext
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models.harness.random_checkpoints import hf_to_maxtext
 from tpu_models.registry import by_export_name as arch

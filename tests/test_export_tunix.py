@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tpu_models.loaders import export
+from tpu_models.loaders.exporter import convert as export
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models import registry
 from tpu_models.harness.stepper import Stepper

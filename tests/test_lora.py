@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tpu_models.loaders import export
+from tpu_models.loaders.exporter import convert as export
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
-from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.peft import LoraAdapter
 from tpu_models import registry
 from tpu_models.harness.stepper import Stepper
 from tests.test_gemma3 import run_steps

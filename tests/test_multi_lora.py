@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from vllm.lora.request import LoRARequest
 
-from tpu_models.lora import AdapterError
+from tpu_models.lora_slots import AdapterError
 from tpu_models.harness.stepper import Stepper
 from tests.tiny import Reference, make_lora
 

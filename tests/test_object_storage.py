@@ -312,7 +312,7 @@ def test_a_storage_server_stopping_mid_load_is_named_within_a_minute(tmp_path):
 
 def test_lora_adapters_are_read_from_object_storage(in_bucket, tmp_path):
     from tpu_models.loaders.hf import CheckpointError
-    from tpu_models.loaders.lora import LoraAdapter
+    from tpu_models.loaders.peft import LoraAdapter
     from tests.tiny import make_lora
 
     base = make_qwen3(tmp_path / "q")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tpu_models.loaders import export, hf_writer
-from tpu_models.loaders.export import maxtext, tunix
+from tpu_models.loaders.exporter import convert as export, hf_writer
+from tpu_models.loaders.exporter.convert import maxtext, tunix
 from tpu_models.loaders.export_marker import INCOMPLETE, MANIFEST, check_export_complete
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
 from tpu_models.loaders.inspect import describe
@@ -206,7 +206,7 @@ def assert_unfinished(uri: str) -> None:
 # `tpu-models export`, stopped once its first shard is uploaded (to be killed there).
 STOPPED_CLI = """
 import os, sys, time
-from tpu_models.loaders import export, hf_writer
+from tpu_models.loaders.exporter import convert as export, hf_writer
 wait, stopped = hf_writer.GcsUpload.wait, []
 def stop(self, keep=0):
     wait(self)
@@ -393,7 +393,7 @@ def test_an_adapter_or_draft_export_cut_short_is_refused_naming_it(bucket, tmp_p
     LoraAdapter, and a gs:// draft is copied by local_draft: an export killed before
     its manifest is refused there, before a file is copied."""
     from tests.tiny import make_lora, make_qwen3
-    from tpu_models.loaders.lora import LoraAdapter
+    from tpu_models.loaders.peft import LoraAdapter
 
     adapter = make_lora(make_qwen3(tmp_path / "base"), tmp_path / "adapter", r=4, seed=1)
     uri = bucket.upload(adapter, "cut/adapter")

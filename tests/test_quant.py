@@ -44,7 +44,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from tpu_models.quant import checkpoint as prequantized
-from tpu_models.quant import rules
+from tpu_models.quant import qwix_rules as rules
 from tpu_models.server.serve import DEFAULT_MODEL, build_command
 from tests.tiny import Reference, make_gemma3
 

@@ -159,7 +159,7 @@ def test_wheel_holds_one_import_root_and_its_data(wheel):
     entry_points.read_string(zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode())
     assert entry_points["console_scripts"]["tpu-models"] == "tpu_models.server.cli:main"
     assert entry_points["vllm.general_plugins"]["tpu_models"] == "tpu_models.plugin:register"
-    assert entry_points["tpu_models.commands"]["bench"] == "tpu_models.benchmarks.cli:main"
+    assert entry_points["tpu_models.commands"]["bench"] == "tpu_models.benchmarks.dispatch:main"
 
 
 CHECK_IMPORTS = """

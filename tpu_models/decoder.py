@@ -29,7 +29,7 @@ from tpu_inference.models.jax.utils.weight_utils import LoadableWithIterator
 from vllm.config import VllmConfig
 
 from tpu_models import registry, runtime
-from tpu_models.lora import AdapterSlots, LoraBatch
+from tpu_models.lora_slots import AdapterSlots, LoraBatch
 from tpu_models.layers import Attention, AttentionConfig, GatedMLP, Rope, sharded, tied_logits
 
 
@@ -130,7 +130,7 @@ class Decoder(JaxModule):
         when the KV cache has groups (each with its block table); `cache_index`:
         {"layer.{i}": index into kv_caches}, shared by layers of different
         groups (default: layer i owns kv_caches[i]); `lora`: the step's adapters
-        (tpu_models.lora), None without --enable-lora. Returns (kv_caches,
+        (tpu_models.lora_slots), None without --enable-lora. Returns (kv_caches,
         hidden, the input [T, D] of each layer in `aux_layers`)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [T, D]
@@ -237,7 +237,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
         return table
 
     def adapter_slots(self, mesh: Mesh) -> AdapterSlots:
-        """The engine's LoRA manager under --enable-lora (tpu_models.lora), checking
+        """The engine's LoRA manager under --enable-lora (tpu_models.lora_slots), checking
         adapters against this architecture's checkpoint table."""
         table = self.checkpoint_table(self.vllm_config.model_config.hf_text_config)
         return AdapterSlots(self, self.vllm_config.lora_config, mesh, table, self.cfg.dtype)

@@ -25,7 +25,7 @@ from tpu_inference.layers.jax import JaxModule
 from tpu_inference.layers.jax.linear import JaxEinsum
 
 from tpu_models.host import host_platform
-from tpu_models.lora import LoraBatch, project
+from tpu_models.lora_slots import LoraBatch, project
 
 _init = nnx.initializers.normal(0.02)
 

@@ -14,7 +14,7 @@ from tpu_inference.utils import get_mesh_shape_product, to_torch_dtype
 from vllm.config import VllmConfig
 
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_finite
-from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.peft import LoraAdapter
 from tpu_models.loaders.object_storage import (ObjectStorageCheckpoint, checked_stream,
                                                is_object_storage)
 from tpu_models.loaders.tables import check_checkpoint

@@ -1,4 +1,4 @@
-"""LoRA: --enable-lora on our models, adapters held in tpu_models.lora's slots.
+"""LoRA: --enable-lora on our models, adapters held in tpu_models.lora_slots's slots.
 
 tpu-inference builds a LoRA manager only for PyTorch models (its flax_nnx loader
 returns none, and its LoraUtils reads a torch Punica wrapper). Here the runner
@@ -14,7 +14,7 @@ def adapter_slots_for_our_models() -> None:
     from tpu_inference.runner.lora_utils import LoraUtils
     from tpu_inference.runner.tpu_runner import TPUModelRunner
 
-    from tpu_models.lora import AdapterSlots
+    from tpu_models.lora_slots import AdapterSlots
 
     original_load = TPUModelRunner.load_model
     original_set_active = LoraUtils.set_active_loras
@@ -68,7 +68,7 @@ def adapters_checked_before_loading() -> None:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
     from vllm.entrypoints.serve import create_error_response
 
-    from tpu_models.lora import AdapterError, read_adapter
+    from tpu_models.lora_slots import AdapterError, read_adapter
 
     original = OpenAIServingModels._check_load_lora_adapter_request
 

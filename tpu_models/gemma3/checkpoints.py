@@ -2,7 +2,7 @@
 
 HF Gemma3ForCausalLM, tied embeddings. MaxText stores its (1 + w) norm
 weights with the +1 folded in and the embedding pre-multiplied by sqrt(D); we
-undo both exactly (loaders/rules.py: fp64, one rounding). Tunix stores HF's
+undo both exactly (loaders/conversion_rules.py: fp64, one rounding). Tunix stores HF's
 conventions, fusing k and v (kv_einsum), or q, k and v when the model has as
 many KV heads as query heads (qkv_einsum).
 """
@@ -11,7 +11,7 @@ import math
 
 from tpu_models.loaders import tables
 from tpu_models.loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
-from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.conversion_rules import Rule
 from tpu_models.loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
 from tpu_models.registry import Architecture, Multimodal
 

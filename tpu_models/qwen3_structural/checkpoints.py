@@ -8,7 +8,7 @@ served by tpu-inference's own model; it is here for export and LoRA merges.
 
 from tpu_models.loaders import tables
 from tpu_models.loaders.maxtext import PROJECTIONS, MaxTextMapping, decoder_globals
-from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.conversion_rules import Rule
 from tpu_models.loaders.tunix import MLP, MLP_LORA, LoraRule, TunixMapping
 from tpu_models.registry import Architecture
 

@@ -160,7 +160,7 @@ class LoraAdapter:
 
     def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
         """Writes the adapter in PEFT's format (atomically, one safetensors file)."""
-        from tpu_models.loaders.hf_writer import HfWriter
+        from tpu_models.loaders.exporter.hf_writer import HfWriter
         with HfWriter(out, overwrite=overwrite, weights_name="adapter_model",
                       max_shard_bytes=2**62) as writer:  # PEFT reads one file
             writer.add_all(self.peft_tensors().items())

@@ -11,7 +11,7 @@ local with window 512, 4 heads, 1 KV head of 256) with a small MLP and
 vocabulary, so that on a CPU host the 8K-context decode is the attention's
 cost and not the weights' (the KV cache is the same in both).
 
-    python -m tpu_models.benchmarks.kv_cache [--shape gemma3-1b] [--out FILE]
+    python -m tpu_models.benchmarks.hybrid_kv_cache [--shape gemma3-1b] [--out FILE]
 """
 
 import argparse

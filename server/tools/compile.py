@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
         prepare(slice_.name, args.verbose)
     except (UnknownTopology, ValueError, host.AttentionModeError) as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
-    from tpu_models.server import compile_advice, compile_report
+    from tpu_models.server.tools import compile_advice, compile_report
     began = time.perf_counter()
     try:
         config, core = start_engine(model, vllm_args)
@@ -114,7 +114,7 @@ def _fail(status: int, why: str) -> int:
 
 def serve_arguments(model: str | None, argv: list[str]) -> tuple[str, list[str]]:
     """MODEL and `vllm serve` arguments, from `tpu-models serve`'s options."""
-    from tpu_models.quant import rules as quant_rules
+    from tpu_models.quant import qwix_rules as quant_rules
     from tpu_models.server import serve
     args, vllm_args = serve.parser().parse_known_args(argv)
     if args.device != "auto":

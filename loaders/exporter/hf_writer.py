@@ -40,7 +40,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
 from tpu_models.loaders.export_marker import CHECKPOINT_MARKERS, INDEX
-from tpu_models.loaders.gcs_upload import UPLOADS_IN_FLIGHT, GcsUpload, check_gcs_out
+from tpu_models.loaders.exporter.gcs_upload import UPLOADS_IN_FLIGHT, GcsUpload, check_gcs_out
 from tpu_models.loaders.hf import CheckpointError
 
 

@@ -12,7 +12,7 @@ off the model gets no batch and runs exactly as before.
 
 `AdapterSlots` is the engine's LoRA manager for our models (what vLLM's
 LRUCacheWorkerLoRAManager is to its PyTorch models): it reads and checks PEFT
-adapters (tpu_models.loaders.lora), keeps up to --max-cpu-loras of them on the host, and
+adapters (tpu_models.loaders.peft), keeps up to --max-cpu-loras of them on the host, and
 puts the ones a batch uses into the --max-loras slots, least recently used out
 first. tpu_models.adapt.lora hands it vLLM's LoRA requests.
 
@@ -34,7 +34,7 @@ from tpu_inference.layers.jax.linear import JaxEinsum
 from tpu_inference.utils import device_array
 
 from tpu_models.loaders.hf import CheckpointError
-from tpu_models.loaders.lora import LoraAdapter
+from tpu_models.loaders.peft import LoraAdapter
 from tpu_models.loaders.tables import PROJECTIONS
 
 logger = logging.getLogger(__name__)

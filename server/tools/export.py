@@ -83,24 +83,24 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         if args.kind == "lora-merge":
-            from tpu_models.loaders.export import lora_merge
+            from tpu_models.loaders.exporter.convert import lora_merge
             out = lora_merge(args.base, args.adapter, args.out,
                              arch=registry.for_checkpoint(args.base), overwrite=args.overwrite)
         elif args.kind == "maxtext":
-            from tpu_models.loaders.export import maxtext
+            from tpu_models.loaders.exporter.convert import maxtext
             out = maxtext(args.checkpoint, registry.by_export_name(args.model), args.out,
                           tokenizer=args.tokenizer,
                           dtype=args.dtype, overrides=_overrides(args.set), scan=args.scan,
                           scan_axis=args.param_scan_axis, overwrite=args.overwrite,
                           max_shard_bytes=args.max_shard_size, progress="maxtext -> HF")
         elif args.kind == "tunix":
-            from tpu_models.loaders.export import tunix
+            from tpu_models.loaders.exporter.convert import tunix
             out = tunix(args.checkpoint, args.base, args.out,
                         arch=registry.for_checkpoint(args.base), lora_alpha=args.lora_alpha,
                         adapter_only=args.adapter_only, dtype=args.dtype,
                         overwrite=args.overwrite, progress="tunix -> HF")
         else:  # a multimodal release's language model
-            from tpu_models.loaders.export import text_only
+            from tpu_models.loaders.exporter.convert import text_only
             arch = next(a for a in registry.architectures()
                         if a.multimodal and a.multimodal.export_name == args.kind)
             out = text_only(args.source, args.out, arch=arch, overwrite=args.overwrite)

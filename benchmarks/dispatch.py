@@ -3,7 +3,7 @@
 `tpu-models` (server/cli.py) reaches `main` through the `tpu_models.commands`
 entry point (pyproject.toml), so that server/ imports no benchmark; it has set
 up the host (tpu_models.host.setup_host) before. Also runs as
-`python -m tpu_models.benchmarks.cli ...`.
+`python -m tpu_models.benchmarks.dispatch ...`.
 """
 
 import argparse
@@ -20,7 +20,7 @@ from pathlib import Path
 OWN_OPTIONS = {
     "step": ("tpu_models.benchmarks.step", "decode-step time of a real-shaped model (Qwen3-0.6B, Gemma 3 1B) vs the host's "
                                 "memory bandwidth (model level)"),
-    "kv-cache": ("tpu_models.benchmarks.kv_cache", "Gemma 3's hybrid KV cache vs disabled: capacity and "
+    "kv-cache": ("tpu_models.benchmarks.hybrid_kv_cache", "Gemma 3's hybrid KV cache vs disabled: capacity and "
                                         "8K-context decode (served)"),
     "startup": ("tpu_models.benchmarks.startup", "cold start and warm restart of `tpu-models serve`, by "
                                       "phase"),

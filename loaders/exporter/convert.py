@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint, check_tensors
-from tpu_models.loaders.hf_writer import HfWriter, check_out
-from tpu_models.loaders.lora import LoraAdapter
-from tpu_models.loaders.rules import Rule
+from tpu_models.loaders.exporter.hf_writer import HfWriter, check_out
+from tpu_models.loaders.peft import LoraAdapter
+from tpu_models.loaders.conversion_rules import Rule
 from tpu_models.loaders.tables import check_checkpoint, check_config, read_config
 
 # Files that travel with the weights (config, generation defaults, tokenizer).
@@ -158,7 +158,7 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
     check_out(out, overwrite)
     import torch
 
-    from tpu_models.loaders.rules import expand
+    from tpu_models.loaders.conversion_rules import expand
     from tpu_models.loaders.tunix import TunixCheckpoint
 
     base = _local(base, "--base")
