@@ -21,6 +21,7 @@ import pytest
 
 from tpu_models.server.serve import DEFAULT_MODEL
 
+pytestmark = pytest.mark.e2e  # each compile is a vLLM start-up: 20-60 s
 DOCTOR = Path(__file__).parents[1] / "server" / "doctor_models"
 SMALL = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32")
 
