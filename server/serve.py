@@ -29,7 +29,7 @@ SPECULATIVE = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
               "prompt_lookup_min": 2},
     # Four drafts: the draft is trained for four positions, and four beat three at
-    # concurrency 1 (figures: benchmarks/README.md, "Shipped: four draft tokens").
+    # concurrency 1 (figures: benchmarks/README.md, "`bench spec`").
     "eagle3": {"method": "eagle3", "model": str(EAGLE3_DRAFT), "num_speculative_tokens": 4},
 }
 # Tokens per engine step off-TPU (vLLM's --max-num-batched-tokens, TPU default 2048).

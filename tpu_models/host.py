@@ -54,7 +54,7 @@ def setup_host(device: str = "auto", env=None) -> str | None:
 # work (inputs, dispatches, read-backs), and a pool on every core takes the core
 # that work needs: the demo served with one thread on a 2-core host gave 1.19x
 # (plain) and 1.14x (EAGLE-3) the output tok/s, while a 0.6B model's step took
-# 36% longer (benchmarks/README.md, "the cores but one for small checkpoints").
+# 36% longer (measured when it was adopted: commit a7d3f1b).
 SMALL_CHECKPOINT_BYTES = 64 << 20
 XLA_CPU_THREADS_ENV = "NPROC"
 
