@@ -92,9 +92,11 @@ def what_would_fit(vllm_config, message: str, excess: float = 0) -> list[str]:
     if excess > 0:
         excess *= 1.05
         cache = max(abstract.bytes_on(d, "kv_cache") for d in devices)
-        if cache > excess:
-            lines.append(f"--kv-cache-memory-bytes {int(cache - excess)}: room for the "
-                         "program's temporaries (or a lower --gpu-memory-utilization)")
+        if cache > excess:  # both flags size the cache over the whole slice, as the worker does
+            utilization = (weights + cache - excess) / hbm
+            lines.append(f"--gpu-memory-utilization {math.floor(utilization * 100) / 100:.2f} "
+                         f"or --kv-cache-memory-bytes {int(cache - excess) * len(devices)}: "
+                         "room for the program's temporaries")
     if weights + one_request > budget:
         room = budget - weights
         if room > sum(per_token) * block:
