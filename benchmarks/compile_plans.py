@@ -38,11 +38,11 @@ DEPLOYMENTS = {
     "qwen3-structural 8B TP 4 fp8 KV cache": (
         "qwen3-8b", "v6e-4", ["--tensor-parallel-size", "4", *LONG, "--kv-cache-dtype", "fp8"]),
     "qwen3-structural 0.6B EAGLE-3": ("qwen3-0.6b", "v6e-8", [*TP8, "--speculative-config", "EAGLE3"]),
-    "qwen3-structural 0.6B EAGLE-3, 0.91 of HBM": (
+    "qwen3-structural 0.6B EAGLE-3 at 0.91": (
         "qwen3-0.6b", "v6e-8", [*TP8, "--speculative-config", "EAGLE3",
                                 "--gpu-memory-utilization", "0.91"]),
     "gemma3 1B v5e-1": ("gemma3-1b", "v5e-1", LONG),
-    "gemma3 1B v5e-1, 0.87 of HBM": ("gemma3-1b", "v5e-1", [*LONG, "--gpu-memory-utilization",
+    "gemma3 1B v5e-1 at 0.87": ("gemma3-1b", "v5e-1", [*LONG, "--gpu-memory-utilization",
                                                              "0.87"]),
     "gemma3 1B v6e-1": ("gemma3-1b", "v6e-1", LONG),
     "gemma3 1B v5e-1 fp8 KV cache": ("gemma3-1b", "v5e-1", [*LONG, "--kv-cache-dtype", "fp8"]),
