@@ -76,3 +76,19 @@ def test_doctor_cannot_run_with_an_unknown_attention_path():
     out, _ = doctor(env=env).communicate(timeout=120)
     lines = out.strip().splitlines()
     assert lines[-1].startswith("doctor: cannot run: TPU_MODELS_ATTENTION='pallas' is not")
+
+
+@pytest.mark.e2e
+def test_doctor_compiles_both_architectures_for_a_tpu_slice(tmp_path):
+    """--topology: both shipped checkpoints compiled for a v6e-4 at TP 4 by the TPU
+    compiler (tpu-models compile), on this CPU host; their reports kept."""
+    out, _ = doctor("--topology", "v6e-4", "--keep-logs", str(tmp_path)).communicate(timeout=600)
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("doctor: ok, both architectures compile for v6e-4 and fit"), out
+    for name in ("qwen3-structural", "gemma3"):
+        assert any(line.startswith(f"compile     {name} for v6e-4 (TP 4): ") and
+                   "programs compiled for v6e-4; fits" in line for line in lines), out
+        report = json.loads((tmp_path / f"compile-{name}.json").read_text())
+        assert report["fits"] and report["tensor_parallel_size"] == 4 and report["chips"] == 4
+    out, _ = doctor("--topology", "v9z-1").communicate(timeout=120)
+    assert out.strip().splitlines()[-1].startswith("doctor: cannot run: unknown TPU topology")
