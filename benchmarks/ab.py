@@ -25,12 +25,16 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).parents[1]
+# The repository this file is in, however it is laid out (git archive of a
+# subdirectory would archive only that subdirectory).
+REPO = Path(__file__).resolve().parent
 
 
 def checkout(rev: str, into: Path) -> tuple[Path, str]:
     """(PYTHONPATH entry, the `tpu-models` CLI module) of revision `rev`, laid out in `into`."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True,
+    root = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--show-toplevel"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", root, "archive", rev], check=True,
                              capture_output=True).stdout
     tree = into / "tree"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:

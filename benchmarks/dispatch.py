@@ -37,6 +37,8 @@ OWN_OPTIONS = {
     "compile": ("tpu_models.benchmarks.compile_plans", "deployments compiled for their TPUs by "
                 "tpu-models compile, and ours vs tpu-inference's Qwen3 program by program "
                 "(the TPU compiler's estimates)"),
+    "penalties": ("tpu_models.benchmarks.penalties", "the same load with and without presence, "
+                  "frequency and repetition penalties: tok/s ratios (served)"),
     "quant": ("tpu_models.benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }

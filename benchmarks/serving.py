@@ -47,14 +47,15 @@ async def _stamp(request) -> None:  # httpx request hook
     _sent[request.headers["x-bench-request"]] = time.perf_counter()
 
 
-async def one_request(client, model: str, prompt: list[int], output_len: int) -> Result:
-    """One streamed completion of `output_len` tokens. The ids travel in
-    extra_body, which the client sends as given: `prompt=` goes through its
-    type-directed transform, one call per id (3.7 vs 0.9 ms per 128-id request),
-    client CPU taken from the cores the server shares."""
+async def one_request(client, model: str, prompt: list[int], output_len: int,
+                      sampling: dict | None = None) -> Result:
+    """One streamed completion of `output_len` tokens (greedy unless `sampling` says
+    otherwise). The ids travel in extra_body, which the client sends as given:
+    `prompt=` goes through its type-directed transform, one call per id (3.7 vs
+    0.9 ms per 128-id request), client CPU taken from the cores the server shares."""
     result = await _streamed(client.completions, dict(
         model=model, prompt="", max_tokens=output_len, temperature=0.0,
-        extra_body={"prompt": prompt, "ignore_eos": True}))
+        extra_body={"prompt": prompt, "ignore_eos": True, **(sampling or {})}))
     if result.ok and (result.prompt_tokens != len(prompt) or result.output_tokens != output_len):
         result.ok = False
         result.error = (f"token counts {result.prompt_tokens}/{result.output_tokens}, "
@@ -212,13 +213,14 @@ def metrics(results: list[Result], duration: float) -> dict:
 def sweep(base_url: str, model: str, *, vocab_size: int, input_len: int, output_len: int,
           num_prompts: int, concurrencies: list[int], request_rate: float = math.inf,
           warmup: int = 2, seed: int = 0, avoid_tokens: set[int] = frozenset(),
-          api_key: str = "unused") -> list[dict]:
-    """One run per concurrency (after `warmup` requests); returns a row of metrics each."""
+          api_key: str = "unused", sampling: dict | None = None) -> list[dict]:
+    """One run per concurrency (after `warmup` requests); returns a row of metrics each.
+    `sampling`: request fields every request carries (e.g. a penalty)."""
     async def main():
         client = bench_client(base_url, api_key)
 
         def send(prompt):
-            return one_request(client, model, prompt, output_len)
+            return one_request(client, model, prompt, output_len, sampling)
 
         # No prompt repeats within a sweep, nor between sweeps of different seeds or
         # concurrencies: a repeated prompt's prefill would come from the prefix cache.

@@ -288,7 +288,8 @@ def report(runs: dict) -> None:
 def _weights_fp32_mb(model: str | None) -> float:
     """The checkpoint's weights as float32 (how they are served off-TPU)."""
     from safetensors import safe_open
-    directory = Path(model) if model else Path(__file__).parents[1] / "server" / "default_model"
+    from tpu_models.server.serve import DEFAULT_MODEL
+    directory = Path(model) if model else DEFAULT_MODEL
     numel = 0
     for file in directory.glob("*.safetensors"):
         with safe_open(file, "np") as f:
@@ -298,7 +299,8 @@ def _weights_fp32_mb(model: str | None) -> float:
 
 
 def _vocab_size(model: str | None) -> int:
-    directory = Path(model) if model else Path(__file__).parents[1] / "server" / "default_model"
+    from tpu_models.server.serve import DEFAULT_MODEL
+    directory = Path(model) if model else DEFAULT_MODEL
     config = json.loads((directory / "config.json").read_text())
     return config.get("text_config", config)["vocab_size"]
 

@@ -20,6 +20,16 @@ import pytest  # noqa: E402
 DEMO_API_KEY = "test-key"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Two workers (pytest-xdist, `--dist loadgroup`: pyproject.toml) share the host's
+    two cores; a server's start-up is mostly single-threaded. A module's tests run in
+    one worker, so that its module-scoped servers start once, and the demo server's
+    users in one, so that it does too."""
+    for item in items:
+        group = "demo-server" if "demo_server" in item.fixturenames else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
     """`tpu-models serve` with no model (the embedded demo), as the README starts it, plus

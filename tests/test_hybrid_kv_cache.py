@@ -81,6 +81,25 @@ def test_a_long_prefix_is_reused_from_the_prefix_cache(server, reference):
         assert ids == reference.greedy(prompt, 2 * WINDOW)
 
 
+def test_penalties_over_a_prompt_prefilled_in_chunks_and_then_cached(server, reference):
+    """The repetition penalty reads the whole prompt, prefilled in 4 chunks (tokens
+    sampled mid-prompt are discarded, not counted), then again from the prefix cache;
+    the frequency and presence penalties read the output the device counted."""
+    from tests.test_sampler import decisive_greedy
+    rng = np.random.default_rng(12)
+    prompt = prompts(rng, reference.vocab_size, [3 * CHUNK + 70])[0]
+    penalties = {"repetition_penalty": 1.4, "frequency_penalty": 0.6, "presence_penalty": 0.4}
+    want = decisive_greedy(reference, prompt, 12, **penalties)
+    assert want != reference.greedy(prompt, 12)
+    hits = prefix_cache_hits(server)
+    for _ in range(2):
+        reply = server.client().completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True, **penalties})
+        assert [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens] == want
+    assert prefix_cache_hits(server) - hits >= 3 * CHUNK  # the second prompt's whole pages
+
+
 def test_a_30000_token_prompt_beside_short_requests(server, reference):
     rng = np.random.default_rng(7)
     long_prompt, *short = prompts(rng, reference.vocab_size, (30_000, 40, 200))

@@ -52,11 +52,11 @@ def complete(server, **body):
     return response.json()
 
 
-def sampled_ids(server, **params) -> np.ndarray:
-    """SAMPLES draws of the token after PROMPT: two requests of SAMPLES / 2 choices
+def sampled_ids(server, prompt=PROMPT, **params) -> np.ndarray:
+    """SAMPLES draws of the token after `prompt`: two requests of SAMPLES / 2 choices
     each, in flight together; `seed` seeds the first (its children: seed, seed+1, ...)."""
     def draw(seed):
-        reply = complete(server, prompt=PROMPT, max_tokens=1, n=SAMPLES // 2, logprobs=0,
+        reply = complete(server, prompt=prompt, max_tokens=1, n=SAMPLES // 2, logprobs=0,
                          return_tokens_as_token_ids=True, seed=seed, **params)
         return [int(c["logprobs"]["tokens"][0].removeprefix("token_id:"))
                 for c in reply["choices"]]
@@ -260,19 +260,39 @@ def test_beam_search_keeps_the_most_likely_beams(served):
 
 
 def greedy_by_definition(reference, prompt, max_tokens, *, bias=None, allowed=None,
-                         min_tokens=0, stop_ids=()):
-    """Greedy ids over transformers' logits with vLLM's definitions applied: only
-    `allowed` may be chosen, `bias` is added, stop ids are masked for the first
-    `min_tokens` tokens; ends after a stop id."""
+                         min_tokens=0, stop_ids=(), repetition_penalty=1.0,
+                         frequency_penalty=0.0, presence_penalty=0.0, bad_words=(),
+                         margins=None):
+    """Greedy ids over transformers' logits with vLLM's definitions applied, in its
+    order (v1/sample/sampler.py): only `allowed` may be chosen; a bad word's last id
+    is banned where the ids before it end the output; `bias` is added, stop ids are
+    masked for the first `min_tokens` tokens; then the penalties
+    (model_executor/layers/utils.py): repetition over prompt and output, positive
+    logits divided and others multiplied, then the output counts times the frequency
+    penalty and their presence times the presence penalty, subtracted. Ends after a
+    stop id. `margins` collects each step's gap between the best two logits."""
     ids = []
     while len(ids) < max_tokens:
         logits = reference.logits(prompt + ids)[-1].astype(np.float64)
+        vocab = np.arange(len(logits))
         if allowed is not None:
-            logits = np.where(np.isin(np.arange(len(logits)), allowed), logits, -np.inf)
+            logits = np.where(np.isin(vocab, allowed), logits, -np.inf)
+        for word in bad_words:
+            before = word[:-1]
+            if len(before) <= len(ids) and ids[len(ids) - len(before):] == before:
+                logits[word[-1]] = -np.inf
         for token, value in (bias or {}).items():
             logits[token] += value
         if len(ids) < min_tokens:
             logits[list(stop_ids)] = -np.inf
+        seen = np.isin(vocab, prompt + ids)
+        logits = np.where(seen & (logits > 0), logits / repetition_penalty, logits)
+        logits = np.where(seen & (logits <= 0), logits * repetition_penalty, logits)
+        counts = np.bincount(ids, minlength=len(logits))[:len(logits)]
+        logits = logits - frequency_penalty * counts - presence_penalty * (counts > 0)
+        if margins is not None:
+            top = np.sort(logits)[-2:]
+            margins.append(top[1] - top[0])
         ids.append(int(np.argmax(logits)))
         if ids[-1] in stop_ids:
             break
@@ -332,3 +352,125 @@ def test_skip_special_tokens_decides_whether_they_are_in_the_text(served):
         ids = token_ids(choice)
         assert set(ids) & set(special), ids  # the reply has special tokens to skip or keep
         assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+PENALTIES = {
+    "repetition": {"repetition_penalty": 1.6},
+    "frequency": {"frequency_penalty": 0.9},
+    "presence": {"presence_penalty": 1.2},
+    "all three": {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+}
+DECISIVE = 1e-4  # served fp32 logits are within ~1e-5 of transformers' (the logprob tests' 1e-4)
+
+
+def decisive_greedy(reference, prompt, max_tokens, **definition) -> list[int]:
+    margins = []
+    ids = greedy_by_definition(reference, prompt, max_tokens, margins=margins, **definition)
+    assert min(margins) > DECISIVE, (definition, min(margins))
+    return ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_penalties_follow_their_definitions(served, arch):
+    """Each penalty alone and the three together, all in flight at once; computed on
+    the device from the counts it keeps, against the definitions over transformers'
+    logits."""
+    server, reference = served[arch]
+    plain = reference.greedy(PROMPT, 16)
+    want = {case: decisive_greedy(reference, PROMPT, 16, **params)
+            for case, params in PENALTIES.items()}
+    assert all(ids != plain for ids in want.values()), want  # each penalty changes the reply
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 16, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(len(PENALTIES)) as pool:
+        got = dict(zip(PENALTIES, pool.map(
+            lambda params: token_ids(complete(server, **body, **params)["choices"][0]),
+            PENALTIES.values())))
+    assert got == want
+
+
+def bad_word_ids(tokenizer, word: str) -> list[list[int]]:
+    """vLLM's ids for a bad word (SamplingParams.update_from_tokenizer): the word as
+    written, and with a leading space where that is a different word of as many ids."""
+    ids = [tokenizer.encode(word.lstrip(), add_special_tokens=False)]
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    if spaced and spaced[0] != ids[0][0] and len(spaced) == len(ids[0]):
+        ids.append(spaced)
+    return ids
+
+
+def test_bad_words_follow_their_definition(served):
+    """Words of one and of two ids, taken from the unrestricted reply, so that each
+    changes it; and one longer than the ids the device keeps gets a 400."""
+    server, reference = served["qwen3"]
+    tokenizer = reference_tokenizer(server)
+    plain = reference.greedy(PROMPT, 16)
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 16, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    found = {}
+    for start in range(len(plain) - 1):
+        for size in (1, 2):
+            word = tokenizer.decode(plain[start:start + size])
+            if not word.strip() or size in found:
+                continue
+            ids = bad_word_ids(tokenizer, word)
+            if max(map(len, ids)) != size:
+                continue
+            margins = []
+            want = greedy_by_definition(reference, PROMPT, 16, bad_words=ids, margins=margins)
+            if want != plain and min(margins) > DECISIVE:
+                found[size] = (word, want)
+    assert set(found) == {1, 2}, found
+    for word, want in found.values():
+        assert token_ids(complete(server, **body, bad_words=[word])["choices"][0]) == want, word
+    response = requests.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": model(server), "prompt": PROMPT, "max_tokens": 2,
+        "bad_words": [tokenizer.decode(plain[:1] * 40)]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"
+
+
+def test_24_requests_in_flight_mixing_penalties_seeds_and_plain(served):
+    """Prompts of 200 ids sharing a 150-id prefix, served from the prefix cache (the
+    prompt's ids still count for the repetition penalty). Penalized and plain greedy
+    replies are the definitions'; seeded ones are what the same seed gives alone.
+    (Chunked prefill: tests/test_hybrid_kv_cache.py.)"""
+    server, reference = served["gemma3"]
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(10, reference.vocab_size, 150).tolist()
+    prompts = [prefix + rng.integers(10, reference.vocab_size, 50).tolist() for _ in range(24)]
+    cases = [PENALTIES[name] for name in PENALTIES] * 2 + [{}] * 8 + [{"seed": s} for s in range(8)]
+    body = {"temperature": 0, "max_tokens": 10, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "ignore_eos": True}
+
+    def run(prompt, params):
+        extra = {"temperature": 1.0} if "seed" in params else {}
+        return token_ids(complete(server, **{**body, **extra}, prompt=prompt, **params)
+                         ["choices"][0])
+
+    alone = {i: run(prompts[i], cases[i]) for i in range(16, 24)}  # the seeded ones, alone
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        got = list(pool.map(run, prompts, cases))
+    for i, (prompt, params) in enumerate(zip(prompts, cases)):
+        if "seed" in params:
+            assert got[i] == alone[i], i
+        else:
+            assert got[i] == decisive_greedy(reference, prompt, 10, **params), (i, params)
+
+
+def test_a_penalized_distribution_is_the_reference(served):
+    """Draws under a repetition penalty (the prompt's ids, the first generated token)
+    and a temperature, against the definition (chi-square); the prompt ends in its own
+    likeliest continuations, so that the penalty moves much of the mass, and the draws
+    must reject the unpenalized distribution."""
+    server, reference = served["qwen3"]
+    penalty, temperature = 2.0, 1.5
+    logits = reference.logits(PROMPT)[-1].astype(np.float64)
+    prompt = PROMPT + [int(t) for t in np.argsort(-logits)[:3]]
+    logits = reference.logits(prompt)[-1].astype(np.float64)
+    seen = np.isin(np.arange(len(logits)), prompt)
+    penalized = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+    probs, unpenalized = expected(penalized, temperature), expected(logits, temperature)
+    assert np.abs(probs - unpenalized).sum() / 2 > 0.05  # total variation: the penalty matters
+    ids = sampled_ids(server, prompt, temperature=temperature, repetition_penalty=penalty)
+    assert chi_square_p(ids, probs) >= 1e-3
+    assert chi_square_p(ids, unpenalized) < 1e-6

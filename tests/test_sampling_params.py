@@ -1,6 +1,7 @@
 """The OpenAI sampling surface on the demo (tpu_models/adapt/sampling.py): a parameter
 tpu-inference's sampler would ignore gets a 400 naming it, streamed or not, and the
-server keeps serving; logprobs=0 is served with transformers' values."""
+server keeps serving; logprobs=0 is served with transformers' values; a checkpoint's
+default penalty is applied."""
 
 import json
 
@@ -13,10 +14,7 @@ from tpu_models.server.serve import DEFAULT_MODEL, DEFAULT_NAME
 pytestmark = pytest.mark.e2e
 
 # Request field -> a value that asks the sampler for something it does not do.
-IGNORED = {
-    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
-    "bad_words": ["name"], "logprob_token_ids": [5], "thinking_token_budget": 8,
-}
+IGNORED = {"logprob_token_ids": [5], "thinking_token_budget": 8}
 ENDPOINTS = {
     "completions": {"prompt": "Bob is 30"},
     "chat/completions": {"messages": [{"role": "user", "content": "Bob is 30"}]},
@@ -78,23 +76,34 @@ def test_logprobs_zero_gives_the_sampled_tokens_logprob(demo_server):
     assert content and all(entry["top_logprobs"] == [] for entry in content), json.dumps(content)[:500]
 
 
-def test_a_checkpoint_default_the_sampler_cannot_apply_stops_start_up(qwen3, tmp_path):
-    """generation_config.json's values are every request's defaults: a penalty there
-    would have every request refused, so start-up stops and says how to serve."""
+def test_a_checkpoint_default_penalty_is_applied_and_refused_beside_drafts(qwen3, tmp_path):
+    """generation_config.json's values are every request's defaults: its repetition
+    penalty is applied, as the definition over transformers' logits gives it. Beside
+    speculative decoding, where penalties are not applied, every request would be
+    refused, so start-up stops and says how to serve."""
     import shutil
 
+    from tests.test_sampler import decisive_greedy
+    from tests.tiny import Reference
     from tpu_models.harness.serve_process import Server, launched
     model = shutil.copytree(qwen3, tmp_path / "qwen3")
-    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05}))
+    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.8}))
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 2,
+                        "prompt_lookup_max": 2, "prompt_lookup_min": 2})
     servers = {name: Server(model, "--max-model-len", "64", "--kv-cache-memory-bytes",
                             str(16 << 20), *args, log=tmp_path / f"{name}.log")
-               for name, args in [("defaults", ()), ("vllm", ("--generation-config", "vllm"))]}
+               for name, args in [("defaults", ()), ("drafts", ("--speculative-config", ngram))]}
     with launched(servers):
-        assert servers["defaults"].wait_exit() != 0
-        log = servers["defaults"].output()
-        assert "generation_config.json sets repetition_penalty=1.05" in log, log[-3000:]
+        assert servers["drafts"].wait_exit() != 0
+        log = servers["drafts"].output()
+        assert ("generation_config.json sets repetition_penalty=1.8, which is not applied "
+                "beside speculative decoding") in log, log[-3000:]
         assert "--generation-config vllm" in log
-        servers["vllm"].start()
-        reply = servers["vllm"].client().completions.create(
-            model=str(model), prompt=[5, 6, 7], max_tokens=4, temperature=0)
-        assert reply.choices[0].finish_reason in ("stop", "length")
+        servers["defaults"].start()
+        reference, prompt = Reference(model), [5, 6, 7, 5, 6, 7]
+        want = decisive_greedy(reference, prompt, 12, repetition_penalty=1.8)
+        assert want != reference.greedy(prompt, 12)
+        reply = servers["defaults"].client().completions.create(
+            model=str(model), prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        assert [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens] == want

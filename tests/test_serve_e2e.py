@@ -116,15 +116,22 @@ def test_builtin_qwen3_through_the_same_portability_layer(tmp_path):
         # Its sampler is the one adapt.sampling extends: seeds and logit_bias apply here too.
         client = s.client()
 
-        def first_ids(**params):
-            reply = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6,
-                                              logprobs=0, **params,
-                                              extra_body={"return_tokens_as_token_ids": True})
+        def first_ids(extra=None, **params):
+            reply = client.completions.create(
+                model="tiny", prompt=prompts[0], max_tokens=6, logprobs=0, **params,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True,
+                            **(extra or {})})
             return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
 
         assert first_ids(temperature=1.0, seed=7) == first_ids(temperature=1.0, seed=7)
         logits = reference.logits(prompts[0])[-1]
         biased = first_ids(temperature=0, logit_bias={str(int(np.argmax(logits))): -100})
         assert biased[0] == int(np.argsort(-logits)[1])
+        # ... and the penalties and bad words, kept on the device.
+        from tests.test_sampler import decisive_greedy
+        penalties = {"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+        want = decisive_greedy(reference, prompts[0], 6, **penalties)
+        assert want != reference.greedy(prompts[0], 6)
+        assert first_ids(penalties, temperature=0) == want
     for prompt, ids in zip(prompts, got):
         assert ids == reference.greedy(prompt, MAX_TOKENS)

@@ -70,12 +70,15 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
             got = chat_answers(speculative, examples, guided)
             assert got == plain, method
             assert accepted_draft_tokens(speculative) > 0, method
-            # Drafts are verified with the batch's key: a seed would not reproduce.
-            seeded = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
-                "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "temperature": 1,
-                "seed": 1})
-            assert seeded.status_code == 400, seeded.text
-            assert seeded.json()["error"]["param"] == "seed", seeded.text
+            # Drafts are verified with the batch's key: a seed would not reproduce; nor
+            # does the rejection sampler know the penalties or bad words.
+            for name, value in {"seed": 1, "repetition_penalty": 1.2, "presence_penalty": 0.5,
+                                "frequency_penalty": 0.5, "bad_words": ["Bob"]}.items():
+                refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
+                    "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "temperature": 1,
+                    name: value})
+                assert refused.status_code == 400, (name, refused.text)
+                assert refused.json()["error"]["param"] == name, refused.text
         # Every EAGLE-3 draft position must draft well, not just the first (a
         # pass reading another request's row or position would still be
         # lossless); bench spec measures 2.7 of 3 on these requests.

@@ -24,7 +24,7 @@ def register() -> None:
     if not runtime.SEAM.build_checks:
         runtime.SEAM.build_checks += [
             guard.require,  # features whose adaptation cannot apply here
-            lambda config, _model: request_checks.check_server_defaults(config.model_config)]
+            lambda config, _model: request_checks.check_server_defaults(config)]
     runtime.SEAM.cast_by_loader = loading.mark if loading.installed() else None
     for arch in registry.architectures():
         if arch.model is None or arch.hf_name in _MODEL_REGISTRY:

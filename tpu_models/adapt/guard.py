@@ -82,7 +82,8 @@ SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lam
                           "install tpu-inference==" + WRITTEN_FOR)
 # Refused, these requests get a 400 instead (adapt.sampling).
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
-SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids and min_tokens",
+SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids, min_tokens, penalties "
+                         "and bad_words",
                          lambda *_: False, "")
 RPA_PATH = Feature("the TPU attention path off-TPU (TPU_MODELS_ATTENTION=rpa-reference, "
                    "rpa-interpret)",

@@ -2,32 +2,30 @@
 would break the engine.
 
 tpu-inference's sampler applies temperature, top-k and top-p, and adapt.sampling
-adds min_p, seeds, logit_bias, allowed_token_ids and min_tokens. Penalties and bad
-words reached the engine and were dropped there (the reply was the one without
-them); each is refused with a 400 naming the parameter, for every model
-tpu-inference runs, as are values vLLM's request handling answered with a 500.
-vLLM's engine core dies on an exception inside a step: nothing may reach it that
-could raise there.
+adds min_p, seeds, logit_bias, allowed_token_ids, min_tokens, the penalties and
+bad words. What is left would reach the engine and be dropped there (the reply
+the one without it): it is refused with a 400 naming the parameter, for every
+model tpu-inference runs, as are values vLLM's request handling answered with a
+500. vLLM's engine core dies on an exception inside a step: nothing may reach it
+that could raise there.
 """
 
 import dataclasses
 
 from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS, Patch, Target
 # What adapt.sampling adds to the sampler: refused only where it could not be installed.
-from tpu_models.adapt.sampling import ADDED
+from tpu_models.adapt.sampling import ADDED, RECENT
 
 # SamplingParams field -> whether a value asks for something the sampler ignores.
 IGNORED = {
-    "presence_penalty": lambda v: v != 0,
-    "frequency_penalty": lambda v: v != 0,
-    "repetition_penalty": lambda v: v != 1,
-    "bad_words": bool,
     "logprob_token_ids": lambda v: v is not None,
     "thinking_token_budget": lambda v: v is not None,
 }
 # Drafts are verified by tpu-inference's rejection sampler, which knows none of them
-# (vLLM itself refuses min_p and logit_bias beside drafts).
-NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens")
+# (vLLM itself refuses min_p and logit_bias beside drafts): a penalty there would
+# need each draft position to see the drafts accepted before it (docs/serving.md).
+NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "bad_words")
 
 
 def refuse_what_is_ignored(params) -> None:
@@ -94,18 +92,29 @@ def _structured_outputs_an_object(request_class) -> None:
     request_class.model_rebuild(force=True)
 
 
-def check_server_defaults(model_config) -> None:
+def check_server_defaults(vllm_config) -> None:
     """A checkpoint's generation_config.json is every request's default: one the
     sampler cannot apply would have every request refused. Stop at start-up instead."""
+    model_config = vllm_config.model_config
     defaults = model_config.get_diff_sampling_param()
-    for name, is_set in IGNORED.items():
+    refused = dict(IGNORED)
+    if vllm_config.speculative_config is not None:
+        refused.update({name: lambda v, name=name: ADDED[name](_with(name, v))
+                        for name in NOT_WITH_DRAFTS if name in defaults})
+    for name, is_set in refused.items():
         if name in defaults and is_set(defaults[name]):
+            why = ("which tpu-inference's sampler cannot apply" if name in IGNORED else
+                   "which is not applied beside speculative decoding")
             raise ValueError(
                 f"tpu-models: {model_config.model}'s generation_config.json sets {name}="
-                f"{defaults[name]!r}, which tpu-inference's sampler cannot apply, so every "
-                "request would be refused; serve without the checkpoint's sampling defaults "
-                "(--generation-config vllm) or override it (--override-generation-config "
-                f"'{{\"{name}\": ...}}')")
+                f"{defaults[name]!r}, {why}, so every request would be refused; serve "
+                "without the checkpoint's sampling defaults (--generation-config vllm) or "
+                f"override it (--override-generation-config '{{\"{name}\": ...}}')")
+
+
+def _with(name: str, value):
+    from vllm.sampling_params import SamplingParams
+    return SamplingParams(**{name: value})
 
 
 def parameters_checked() -> None:
@@ -135,6 +144,25 @@ def parameters_checked() -> None:
 
         request_class.to_sampling_params = to_sampling_params
         _structured_outputs_an_object(request_class)
+
+
+def bad_words_checked() -> None:
+    """A bad word's ids before its last are matched against the request's last RECENT
+    output ids (adapt.sampling.TokenCounts): a longer word is refused, not cut."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    original = SamplingParams.update_from_tokenizer
+
+    def update_from_tokenizer(self, tokenizer):
+        original(self, tokenizer)
+        for word, ids in zip(self.bad_words or [], self.bad_words_token_ids or []):
+            if len(ids) > RECENT + 1:
+                raise VLLMValidationError(
+                    f"bad_words: {word!r} is {len(ids)} tokens; at most {RECENT + 1} are "
+                    "matched on tpu-inference", parameter="bad_words", value=word)
+
+    SamplingParams.update_from_tokenizer = update_from_tokenizer
 
 
 def not_beside_drafts() -> None:
@@ -167,14 +195,21 @@ PATCHES = [
                ".check_structured_outputs_count", "data"),
         Target(f"{PROTOCOL}.chat_completion.protocol.ChatCompletionRequest"
                ".check_structured_outputs_count", "data")),
-        "penalties and bad words were ignored; allowed_token_ids killed the engine; huge ints "
-        "answered 500",
+        "logprob_token_ids and thinking_token_budget were ignored; allowed_token_ids killed "
+        "the engine; huge ints answered 500",
         "tests/test_sampling_params.py::test_parameters_the_sampler_ignores_get_a_400_naming_them",
         parameters_checked, upstream="tpu-inference sampler: temperature, top-k, top-p only"),
     Patch("sampler additions refused beside drafts", SAMPLER_EXTRAS, (
         Target("vllm.sampling_params.SamplingParams._validate_spec_decode",
                "self speculative_config"), ),
-        "the rejection sampler would verify drafts without seed, allowed ids or min_tokens",
+        "the rejection sampler would verify drafts without seed, allowed ids, min_tokens, "
+        "penalties or bad words",
         "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
         not_beside_drafts),
+    Patch("bad words longer than the ids kept refused", SAMPLER_EXTRAS, (
+        Target("vllm.sampling_params.SamplingParams.update_from_tokenizer",
+               "self tokenizer"), ),
+        "a bad word of more ids than the device keeps would be matched on its tail only",
+        "tests/test_sampler.py::test_bad_words_follow_their_definition",
+        bad_words_checked),
 ]

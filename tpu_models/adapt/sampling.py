@@ -1,11 +1,17 @@
-"""Sampling: tpu-inference's sampler, with min_p, seeds, logit_bias, allowed ids and min_tokens.
+"""Sampling: tpu-inference's sampler, with min_p, seeds, logit_bias, allowed ids,
+min_tokens, the presence, frequency and repetition penalties and bad words.
 
 Its sampler applies temperature, top-k and top-p. A batch in which some request
-sets min_p, a seed, logit_bias, allowed_token_ids or min_tokens gets our metadata
-(`ExtendedMetadata`), which its sample() hands to ours (`sample_extended`); other
-batches keep tpu-inference's metadata and compiled sampler, so requests without
-them run as before. For every model tpu-inference runs. logprobs=0 (the sampled
-token's log-probability, what chat's `logprobs: true` asks for) is served.
+sets one of ours gets our metadata (`ExtendedMetadata`), which its sample() hands
+to ours (`sample_extended`); other batches keep tpu-inference's metadata and
+compiled sampler, so requests without them run as before. For every model
+tpu-inference runs. logprobs=0 (the sampled token's log-probability, what chat's
+`logprobs: true` asks for) is served.
+
+Penalties and bad words read what a request has generated, which under
+asynchronous scheduling the host learns a step late: `TokenCounts` keeps it on
+the device, a row per request, updated inside the sampling program from the
+tokens it samples.
 """
 
 import dataclasses
@@ -14,6 +20,9 @@ import functools
 from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch, Target, rebind
 
 MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
+IN_PROMPT = 1 << 24  # TokenCounts: a count's flag bit, the token is in the prompt
+RECENT = 32  # TokenCounts: the output tokens kept a request, for bad words' prefixes
+NO_TOKEN, ANY_TOKEN = -1, -2  # a recent position not yet generated; a prefix position unused
 
 
 @functools.cache
@@ -25,7 +34,8 @@ def metadata_class():
         jax.tree_util.register_dataclass,
         data_fields=["temperature", "top_k", "top_p", "_cache_collision_dummy", "min_p",
                      "seeded", "seed_low", "seed_high", "position", "bias_ids", "bias",
-                     "allowed_ids", "restricted"],
+                     "allowed_ids", "restricted", "slot", "kept", "repetition", "frequency",
+                     "presence", "bad_last", "bad_prefix"],
         meta_fields=["do_sampling", "logprobs"])
     @dataclasses.dataclass
     class ExtendedMetadata(TPUSupportedSamplingMetadata):
@@ -38,15 +48,27 @@ def metadata_class():
         bias: object = None  # (rows, k) f32: logit_bias, and -inf on stop ids under min_tokens
         allowed_ids: object = None  # (rows, k) i32, the vocabulary size where unused
         restricted: object = None  # (rows,) bool: only allowed_ids may be drawn
+        # Penalties and bad words; None in a batch where no request asks for them.
+        slot: object = None  # (rows,) i32: the row's TokenCounts slot, `slots` for none
+        kept: object = None  # (rows,) bool: the sampled token is kept (not mid-prefill)
+        repetition: object = None  # (rows,) f32, 1 for none
+        frequency: object = None  # (rows,) f32, 0 for none
+        presence: object = None  # (rows,) f32, 0 for none
+        bad_last: object = None  # (rows, words) i32: a bad word's last id, vocab if unused
+        bad_prefix: object = None  # (rows, words, RECENT) i32: the ids before it, right-aligned
 
     return ExtendedMetadata
 
 
-def sample_extended(rng, mesh, logits, metadata):
-    """vLLM's order: allowed ids, min_tokens and logit_bias on the logits (greedy rows
-    too), then temperature, min_p, top-k, top-p (tpu-inference's own masks), and one
-    categorical draw per row. A seeded row draws with key(seed) folded with the
-    token's position, so its reply depends on its seed alone, not on the batch."""
+def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
+    """vLLM's order (v1/sample/sampler.py): allowed ids, bad words, min_tokens and
+    logit_bias, then the penalties, on the logits (greedy rows too); then temperature,
+    min_p, top-k, top-p (tpu-inference's own masks), and one categorical draw per row.
+    A seeded row draws with key(seed) folded with the token's position, so its reply
+    depends on its seed alone, not on the batch.
+
+    With `counts` and `recent` (TokenCounts' arrays) it also returns them updated
+    with the tokens it kept."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -59,7 +81,14 @@ def sample_extended(rng, mesh, logits, metadata):
     rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
     allowed = jnp.zeros(logits.shape, bool).at[rows, metadata.allowed_ids].set(True, mode="drop")
     logits = jnp.where(metadata.restricted[:, None] & ~allowed, -jnp.inf, logits)
+    penalized = counts is not None
+    if penalized:
+        own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
+        logits = _ban_bad_words(logits, rows, own, metadata)
     logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
+    if penalized:
+        logits = _penalize(logits, counts.at[metadata.slot].get(mode="fill", fill_value=0),
+                           metadata)
     greedy = jnp.argmax(logits, axis=-1)
 
     is_greedy = metadata.temperature < sampling._SAMPLING_EPS
@@ -84,7 +113,129 @@ def sample_extended(rng, mesh, logits, metadata):
     drawn = jax.vmap(jax.random.categorical)(keys, processed)
     tokens = jax.lax.with_sharding_constraint(jnp.where(is_greedy, greedy, drawn),
                                               NamedSharding(mesh, P()))
-    return tokens, jnp.where(is_greedy[:, None], logits, processed)
+    processed = jnp.where(is_greedy[:, None], logits, processed)
+    if not penalized:
+        return tokens, processed
+    # The slot of a row without one (or a discarded mid-prefill token) is out of range:
+    # its update is dropped.
+    slot = jnp.where(metadata.kept, metadata.slot, counts.shape[0])
+    counts = counts.at[slot, tokens].add(1, mode="drop")
+    shifted = jnp.concatenate([own[:, 1:], tokens[:, None].astype(own.dtype)], axis=1)
+    recent = recent.at[slot].set(shifted, mode="drop")
+    return tokens, processed, counts, recent
+
+
+def _ban_bad_words(logits, rows, recent, metadata):
+    """vLLM's bad words (v1/sample/ops/bad_words.py): a word's last id is banned when
+    the ids before it end the output; a one-token word always is."""
+    import jax.numpy as jnp
+    prefix = metadata.bad_prefix
+    ends = jnp.all((prefix == ANY_TOKEN) | (prefix == recent[:, None, :]), axis=-1)
+    ban = jnp.where(ends, -jnp.inf, jnp.inf)  # min with +inf leaves a logit as it is
+    return logits.at[rows, metadata.bad_last].min(ban, mode="drop")
+
+
+def _penalize(logits, counts, metadata):
+    """vLLM's penalties (model_executor/layers/utils.py, apply_penalties): repetition
+    over prompt and output (positive logits divided, others multiplied), then the
+    output counts times the frequency penalty and their presence times the presence
+    penalty, subtracted."""
+    import jax.numpy as jnp
+    if counts.shape[1] < logits.shape[1]:  # a vocabulary padded past the tokenizer's
+        counts = jnp.pad(counts, ((0, 0), (0, logits.shape[1] - counts.shape[1])))
+    output = (counts & (IN_PROMPT - 1)).astype(jnp.float32)
+    repetition = jnp.where(counts != 0, metadata.repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    return (logits - metadata.frequency[:, None] * output
+            - metadata.presence[:, None] * (output > 0))
+
+
+class TokenCounts:
+    """What each request has seen, on the device: a row of `vocab` int32 counts (its
+    output tokens, IN_PROMPT added for a prompt token) and its last RECENT output ids.
+    4 * (vocab + RECENT) bytes a slot and max_num_seqs + 1 slots: 1.0 MiB a slot at
+    Gemma 3's 262,144 ids (257 MiB at 256 sequences), 0.6 MiB at Qwen3's 151,936;
+    allocated when the first request asks for a penalty or bad words.
+
+    A request keeps its slot until it finishes, through preemption and chunked
+    prefill, since only the device knows its latest tokens. A slot is given to a new
+    request only when none is free, taken from one not in the batch (preempted), which
+    is rebuilt from the host's ids when it returns: by then the host has them all."""
+
+    def __init__(self, mesh, slots: int, vocab: int):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        replicated = NamedSharding(mesh, P())
+        self.mesh, self.slots, self.vocab = mesh, slots, vocab
+        self.counts = jax.device_put(jnp.zeros((slots, vocab), jnp.int32), replicated)
+        self.recent = jax.device_put(jnp.full((slots, RECENT), NO_TOKEN, jnp.int32), replicated)
+        self.owner: dict[str, int] = {}  # request id -> slot
+        self.free = list(range(slots - 1, -1, -1))
+        self.pending: list[tuple[int, list[int], list[int]]] = []  # (slot, prompt, output)
+
+    def slot_of(self, req_id: str, request, in_batch: set[str]) -> int:
+        if req_id in self.owner:
+            return self.owner[req_id]
+        if self.free:
+            free = self.free.pop()
+        else:  # a preempted request's: rebuilt when it returns
+            evicted = next(r for r in self.owner if r not in in_batch)
+            free = self.owner.pop(evicted)
+        self.owner[req_id] = free
+        output = [t for t in (request.output_token_ids or []) if t >= 0]
+        self.pending.append((free, list(request.prompt_token_ids or []), output))
+        return free
+
+    def forget(self, live) -> None:
+        for req_id in [r for r in self.owner if r not in live]:
+            self.free.append(self.owner.pop(req_id))
+
+    def rebuild(self) -> None:
+        """Writes the new slots' rows from the host's ids (one program per size)."""
+        if not self.pending:
+            return
+        import numpy as np
+        from tpu_inference.utils import device_array
+        k = _bucket(len(self.pending))
+        prompt_width = _bucket(max(len(p) for _, p, _ in self.pending))
+        output_width = _bucket(max(len(o) for *_, o in self.pending))
+        slots = np.full(k, self.slots, np.int32)
+        prompt = np.full((k, prompt_width), self.vocab, np.int32)
+        output = np.full((k, output_width), self.vocab, np.int32)
+        recent = np.full((k, RECENT), NO_TOKEN, np.int32)
+        for i, (slot, p, o) in enumerate(self.pending):
+            slots[i], prompt[i, :len(p)], output[i, :len(o)] = slot, p, o
+            if o:
+                tail = o[-RECENT:]
+                recent[i, RECENT - len(tail):] = tail
+        self.pending.clear()
+        self.counts, self.recent = _rebuild()(
+            self.counts, self.recent,
+            *(device_array(self.mesh, a) for a in (slots, prompt, output, recent)))
+
+
+@functools.cache
+def _rebuild():
+    import jax
+
+    def rebuild(counts, recent, slots, prompt, output, last):
+        counts = counts.at[slots].set(0, mode="drop")
+        rows = slots[:, None]
+        counts = counts.at[rows, prompt].set(IN_PROMPT, mode="drop")
+        counts = counts.at[rows, output].add(1, mode="drop")
+        return counts, recent.at[slots].set(last, mode="drop")
+    return jax.jit(rebuild, donate_argnums=(0, 1))
+
+
+_COUNTS: list[TokenCounts] = []  # the runner's, once a request asks (one engine a process)
+
+
+def _token_counts(mesh, slots: int, vocab: int) -> TokenCounts:
+    if not _COUNTS:
+        _COUNTS.append(TokenCounts(mesh, slots, vocab))
+    return _COUNTS[0]
 
 
 def _bucket(n: int) -> int:
@@ -100,7 +251,17 @@ ADDED = {
     "logit_bias": lambda p: bool(p.logit_bias),
     "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
     "min_tokens": lambda p: p.min_tokens > 0,
+    "presence_penalty": lambda p: p.presence_penalty != 0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1,
+    "bad_words": lambda p: bool(p.bad_words),
 }
+# Those that read what the request has seen (TokenCounts).
+COUNTED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
+
+
+def _counted(params) -> bool:
+    return any(ADDED[name](params) for name in COUNTED)
 
 
 def _wants_extras(params) -> bool:
@@ -136,6 +297,33 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
     seeded, seed, position = np.zeros(n, bool), np.zeros(n, np.uint64), np.zeros(n, np.int32)
     restricted = np.zeros(n, bool)
     biases, allowed = [[] for _ in range(n)], [[] for _ in range(n)]
+    counted = [(row, index, request, req_id) for row, index, request, req_id in rows
+               if request.sampling_params is not None and _counted(request.sampling_params)]
+    if counted:
+        counts = _token_counts(metadata._cache_collision_dummy.sharding.mesh,
+                               input_batch.max_num_reqs, vocab)
+        counts.forget(requests)
+        in_batch = {req_id for *_, req_id in rows}
+        slot, kept = np.full(n, counts.slots, np.int32), np.zeros(n, bool)
+        repetition, frequency, presence = (np.ones(n, np.float32), np.zeros(n, np.float32),
+                                           np.zeros(n, np.float32))
+        words = [[] for _ in range(n)]
+        for row, index, request, req_id in counted:
+            params = request.sampling_params
+            slot[row] = counts.slot_of(req_id, request, in_batch)
+            # tpu-inference's own test for a token it discards: one sampled mid-prefill.
+            kept[row] = (input_batch.num_computed_tokens_cpu[index]
+                         + num_scheduled.get(req_id, 0) >= request.num_tokens)
+            repetition[row] = params.repetition_penalty
+            frequency[row], presence[row] = params.frequency_penalty, params.presence_penalty
+            words[row] = params.bad_words_token_ids or []
+        counts.rebuild()
+        bad_last = np.full((n, _bucket(max(map(len, words)))), vocab, np.int32)
+        bad_prefix = np.full((*bad_last.shape, RECENT), ANY_TOKEN, np.int32)
+        for row in range(n):
+            for w, word in enumerate(words[row]):
+                bad_last[row, w] = word[-1]
+                bad_prefix[row, w, RECENT - len(word) + 1:] = word[:-1]
     for row, index, request, req_id in rows:
         params = request.sampling_params
         temperature[row] = input_batch.temperature_cpu[index]
@@ -171,7 +359,11 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
         seed_low=put((seed & 0xFFFF_FFFF).astype(np.uint32)),
         seed_high=put((seed >> np.uint64(32)).astype(np.uint32)), position=put(position),
         bias_ids=put(bias_ids), bias=put(bias), allowed_ids=put(allowed_ids),
-        restricted=put(restricted))
+        restricted=put(restricted),
+        **({} if not counted else dict(
+            slot=put(slot), kept=put(kept), repetition=put(repetition),
+            frequency=put(frequency), presence=put(presence), bad_last=put(bad_last),
+            bad_prefix=put(bad_prefix))))
 
 
 def extras_sampled() -> None:
@@ -219,9 +411,16 @@ def extras_sampled() -> None:
     TPUSupportedSamplingMetadata.from_input_batch = classmethod(from_input_batch)
     original_sample = sampling.sample
     ours = jax.jit(sample_extended, static_argnames=["mesh"])
+    # The counts are donated: updated in place, a step's new arrays the next's input.
+    counting = jax.jit(sample_extended, static_argnames=["mesh"], donate_argnums=(4, 5))
 
     def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
         if isinstance(tpu_sampling_metadata, metadata_class()):
+            if tpu_sampling_metadata.slot is not None:
+                counts = _COUNTS[0]
+                tokens, processed, counts.counts, counts.recent = counting(
+                    rng, mesh, logits, tpu_sampling_metadata, counts.counts, counts.recent)
+                return tokens, processed
             return ours(rng, mesh, logits, tpu_sampling_metadata)
         return original_sample(rng, mesh, logits, tpu_sampling_metadata,
                                allow_distributed_sampling=allow_distributed_sampling)
