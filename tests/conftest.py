@@ -20,16 +20,6 @@ import pytest  # noqa: E402
 DEMO_API_KEY = "test-key"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Two workers (pytest-xdist, `--dist loadgroup`: pyproject.toml) share the host's
-    two cores; a server's start-up is mostly single-threaded. A module's tests run in
-    one worker, so that its module-scoped servers start once, and the demo server's
-    users in one, so that it does too."""
-    for item in items:
-        group = "demo-server" if "demo_server" in item.fixturenames else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
     """`tpu-models serve` with no model (the embedded demo), as the README starts it, plus
@@ -41,8 +31,8 @@ def demo_server(tmp_path_factory):
         yield server
 
 
-# The tiny bases the LoRA tests (merged and per-request) share; a module that needs
-# another shape defines its own fixture of the same name.
+# The tiny bases most modules share (the checkpoint fixtures are defined here only;
+# a module that needs another shape names its own for what it is, e.g. gemma3_32k).
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     from tests.tiny import make_qwen3
@@ -53,3 +43,35 @@ def qwen3(tmp_path_factory):
 def gemma3(tmp_path_factory):
     from tests.tiny import make_gemma3
     return make_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_ascii(tmp_path_factory):
+    """A tiny Gemma 3 (5 local layers of window 16, then a global one) whose replies
+    are ASCII: the (tied) embedding of every token that decodes to non-ASCII text is
+    zero, so its logit is 0, below the best ASCII token's, and no reply ends inside a
+    UTF-8 character (vLLM's detokenizer holds it back, transformers writes U+FFFD)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from tests.tiny import make_gemma3
+    directory = make_gemma3(tmp_path_factory.mktemp("gemma3-ascii"), sliding_window=16)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    non_ascii = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).isascii()]
+    assert len(non_ascii) >= 128, len(non_ascii)  # the high bytes, at least
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.embed_tokens.weight"][non_ascii] = 0
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="session")
+def gemma3_server(gemma3_ascii, tmp_path_factory):
+    """`tpu-models serve --dtype float32` of gemma3_ascii as "tiny", 512 tokens of
+    context: Gemma 3 end to end (test_gemma3_e2e.py) and lm-eval's client (test_lm_eval.py)."""
+    from tpu_models.harness.serve_process import Server
+    log = tmp_path_factory.mktemp("gemma3-server") / "serve.log"
+    with Server(gemma3_ascii, "--dtype", "float32", "--max-model-len", "512",
+                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
+                log=log) as server:
+        yield server

@@ -72,11 +72,6 @@ def test_wrong_shape_is_refused_before_loading(tmp_path):
 # model's real load path through tpu-inference's get_model, via Stepper); one
 # more goes through `tpu-models serve`.
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    return make_qwen3(tmp_path_factory.mktemp("qwen3") / "m")
-
-
 def copy(checkpoint, tmp_path):
     return Path(shutil.copytree(checkpoint, tmp_path / "m"))
 

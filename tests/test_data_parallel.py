@@ -29,20 +29,23 @@ def served_by_engine(server) -> dict[str, float]:
 
 def test_two_ranks_give_the_tokens_of_one_and_share_the_requests(tmp_path):
     qwen3 = make_qwen3(tmp_path / "qwen3")
-    gemma3 = make_gemma3(tmp_path / "gemma3", num_kv_heads=2, sliding_window=16)
+    gemma3 = make_gemma3(tmp_path / "gemma3", sliding_window=16)  # one KV head, repeated per shard
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 384, n).tolist() for n in (2, 11, 40, 75)]
     common = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes",
               str(32 << 20), "--served-model-name", "tiny", "--data-parallel-size", "2")
     servers = {
         "qwen3 dp2": Server(qwen3, *common, log=tmp_path / "qwen3.log"),
+        # Prompts up to 5 windows of the local layers, prefilled in chunks of 32.
         "gemma3 dp2 tp2": Server(gemma3, *common, "--tensor-parallel-size", "2",
+                                 "--max-num-batched-tokens", "32",
                                  log=tmp_path / "gemma3.log", env=FOUR_DEVICES)}
     with launched(servers):
         for name, server in servers.items():
             server.start()
             if "tp2" in name:  # each rank's own mesh: two devices for the model
                 assert "Mesh('data': 1, 'model': 2" in server.output()
+                assert "num_kv_cache_groups=6" in server.output()  # the hybrid KV cache, sharded
             reference = Reference(qwen3 if name.startswith("qwen3") else gemma3)
             got = complete_all(server, prompts * 4, max_tokens=6)  # 16 at once
             for prompt, ids in zip(prompts * 4, got):

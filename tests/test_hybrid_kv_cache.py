@@ -19,20 +19,20 @@ CHUNK = 128  # --max-num-batched-tokens: prompts past it are prefilled in chunks
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
+def gemma3_32k(tmp_path_factory):
     # 5 local layers (window 16), then a global one
     return make_gemma3(tmp_path_factory.mktemp("gemma3"), sliding_window=WINDOW,
                        max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module")
-def reference(gemma3):
-    return Reference(gemma3)
+def reference(gemma3_32k):
+    return Reference(gemma3_32k)
 
 
 @pytest.fixture(scope="module")
-def server(gemma3, tmp_path_factory):
-    with Server(gemma3, "--dtype", "float32", "--max-model-len", str(LONG_CONTEXT),
+def server(gemma3_32k, tmp_path_factory):
+    with Server(gemma3_32k, "--dtype", "float32", "--max-model-len", str(LONG_CONTEXT),
                 "--max-num-batched-tokens", str(CHUNK), "--kv-cache-memory-bytes", str(128 << 20),
                 "--served-model-name", "tiny",
                 log=tmp_path_factory.mktemp("logs") / "serve.log") as s:

@@ -1,7 +1,8 @@
 """lm-eval (0.4.13) as the client of `tpu-models serve`: multiple choice by log-likelihood
 through `local-completions` (echo + logprobs) and greedy generation through
 `local-chat-completions`, each against lm-eval's own `hf` model on the same tiny Gemma 3
-(fp32). The tasks and their data are in tests/lm_eval_tasks/."""
+(fp32; conftest's shared gemma3_server). The tasks and their data are in
+tests/lm_eval_tasks/."""
 
 import contextlib
 import os
@@ -9,11 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
-
-from tpu_models.harness.serve_process import Server
-from tests.tiny import make_gemma3
 
 pytestmark = pytest.mark.e2e
 
@@ -23,30 +19,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 ROOT = Path(__file__).parents[1]
 TASKS = ROOT / "tests" / "lm_eval_tasks"
 NAME = "tiny"
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    directory = make_gemma3(tmp_path_factory.mktemp("gemma3"))
-    # Zero the (tied) embedding of every token that decodes to non-ASCII text: its logit
-    # is then 0, below the best ASCII token's, so no reply ends inside a UTF-8 character,
-    # which vLLM's detokenizer holds back and transformers writes as U+FFFD.
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    non_ascii = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).isascii()]
-    assert len(non_ascii) >= 128, len(non_ascii)  # the high bytes, at least
-    tensors = load_file(directory / "model.safetensors")
-    tensors["model.embed_tokens.weight"][non_ascii] = 0
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(gemma3, tmp_path_factory):
-    log = tmp_path_factory.mktemp("lm-eval-server") / "serve.log"
-    with Server(gemma3, "--dtype", "float32", "--max-model-len", "512",
-                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", NAME,
-                log=log) as s:
-        yield s
 
 
 def evaluate(model: str, model_args: dict, task: str, **kwargs) -> tuple[dict, list[dict]]:
@@ -75,7 +47,8 @@ def reference(gemma3, task: str, **kwargs):
         torch.set_num_threads(threads)
 
 
-def test_multiple_choice_loglikelihoods_match_lm_evals_hf_model(server, gemma3):
+def test_multiple_choice_loglikelihoods_match_lm_evals_hf_model(gemma3_server, gemma3_ascii):
+    server, gemma3 = gemma3_server, gemma3_ascii
     served, served_samples = evaluate("local-completions", {
         "base_url": f"{server.url}/v1/completions", "model": NAME, "tokenizer": str(gemma3),
         "tokenizer_backend": "huggingface", "max_length": 512, "batch_size": 16,
@@ -98,7 +71,8 @@ def test_multiple_choice_loglikelihoods_match_lm_evals_hf_model(server, gemma3):
           f"acc {served['acc,none']}, acc_norm {served['acc_norm,none']}")
 
 
-def test_chat_generation_matches_lm_evals_hf_model(server, gemma3):
+def test_chat_generation_matches_lm_evals_hf_model(gemma3_server, gemma3_ascii):
+    server, gemma3 = gemma3_server, gemma3_ascii
     served, served_samples = evaluate("local-chat-completions", {
         "base_url": f"{server.url}/v1/chat/completions", "model": NAME, "num_concurrent": 4,
         "max_retries": 1}, "tiny_sums", apply_chat_template=True)

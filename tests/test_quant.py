@@ -395,7 +395,7 @@ def test_kv_cache_dtype_our_attention_cannot_store_is_refused_by_name():
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
+def gemma3_decisive(tmp_path_factory):
     """Gemma 3 with one local and one global layer and decisive logits: embedding
     std 0.2 (tied, it is also the vocabulary projection), median top-1 margin
     ~2.7 nats, while the layers still carry the residual stream."""
@@ -415,8 +415,8 @@ def random_sequences(vocab_size: int, num: int = 8, length: int = 48) -> list[li
 
 
 @pytest.fixture(scope="module")
-def gemma3_model(gemma3):
-    return Model(gemma3, random_sequences(384))
+def gemma3_model(gemma3_decisive):
+    return Model(gemma3_decisive, random_sequences(384))
 
 
 @pytest.mark.parametrize("preset", ["int8-weight-only", "int8", "fp8"])
@@ -492,7 +492,7 @@ def served(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expectations(gemma3):
+def expectations(gemma3_decisive):
     """Per model, cached: sequences, prompts, and what unquantized transformers
     predicts for them (log-probabilities at every position, greedy tokens)."""
     cache = {}
@@ -504,7 +504,7 @@ def expectations(gemma3):
                 directory = DEMO
                 prompts, sequences = demo_sequences(DEMO, 8)
             else:
-                directory, sequences = gemma3, random_sequences(384)
+                directory, sequences = gemma3_decisive, random_sequences(384)
                 prompts = [s[:24] for s in sequences]
             reference = Reference(directory)
             cache[arch] = {

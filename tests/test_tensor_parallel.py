@@ -1,4 +1,6 @@
-"""The same tokens on 1, 2 and 4 (fake CPU) devices, KV heads fewer than devices included."""
+"""The same tokens on 1, 2 and 4 (fake CPU) devices, KV heads fewer than devices included.
+Served at tensor parallel 2: tests/test_data_parallel.py (portable kernel),
+tests/test_tpu_path.py (the RPA backend), tests/test_object_storage.py (from gs://)."""
 
 import json
 import os
@@ -8,9 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tpu_models.harness.serve_process import Server
-from tests.test_serve_e2e import complete_all
-from tests.tiny import Reference, make_gemma3, make_qwen3
+from tests.tiny import make_gemma3, make_qwen3
 
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 MODELS = {
@@ -36,20 +36,3 @@ def test_greedy_tokens_equal_across_tensor_parallel_sizes(model, tmp_path):
             np.testing.assert_allclose(logits[:383], results["1"]["logits"][name][:383], atol=1e-4)
             # padding is never sampled: masked to float32's min (-3.4e38), far below any logit
             assert max(logits[383:], default=-np.inf) < -1e30
-
-
-@pytest.mark.e2e
-def test_vllm_serve_tensor_parallel_2_matches_transformers(tmp_path):
-    directory = make_gemma3(tmp_path / "gemma3", num_heads=4, num_kv_heads=1, vocab_size=383)
-    reference = Reference(directory)
-    rng = np.random.default_rng(1)
-    # up to 10 windows of the local layers, prefilled in chunks of 64
-    prompts = [rng.integers(0, 380, n).tolist() for n in (2, 30, 90, 160)]
-    with Server(directory, "--dtype", "float32", "--max-model-len", "512",
-                "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "67108864",
-                "--max-num-batched-tokens", "64", "--served-model-name", "tiny",
-                log=tmp_path / "serve.log", env=FOUR_DEVICES) as s:
-        assert "num_kv_cache_groups=6" in s.output()  # the hybrid KV cache, sharded
-        got = complete_all(s, prompts, max_tokens=40)
-    for prompt, ids in zip(prompts, got):
-        assert ids == reference.greedy(prompt, 40)

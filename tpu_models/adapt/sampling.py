@@ -18,11 +18,10 @@ import dataclasses
 import functools
 
 from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch, Target, rebind
+from tpu_models.adapt.token_counts import (
+    ANY_TOKEN, NO_TOKEN, RECENT, ban_bad_words, bucket, penalize, token_counts)
 
 MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
-IN_PROMPT = 1 << 24  # TokenCounts: a count's flag bit, the token is in the prompt
-RECENT = 32  # TokenCounts: the output tokens kept a request, for bad words' prefixes
-NO_TOKEN, ANY_TOKEN = -1, -2  # a recent position not yet generated; a prefix position unused
 
 
 @functools.cache
@@ -84,10 +83,10 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
     penalized = counts is not None
     if penalized:
         own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
-        logits = _ban_bad_words(logits, rows, own, metadata)
+        logits = ban_bad_words(logits, rows, own, metadata)
     logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
     if penalized:
-        logits = _penalize(logits, counts.at[metadata.slot].get(mode="fill", fill_value=0),
+        logits = penalize(logits, counts.at[metadata.slot].get(mode="fill", fill_value=0),
                            metadata)
     greedy = jnp.argmax(logits, axis=-1)
 
@@ -123,124 +122,6 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
     shifted = jnp.concatenate([own[:, 1:], tokens[:, None].astype(own.dtype)], axis=1)
     recent = recent.at[slot].set(shifted, mode="drop")
     return tokens, processed, counts, recent
-
-
-def _ban_bad_words(logits, rows, recent, metadata):
-    """vLLM's bad words (v1/sample/ops/bad_words.py): a word's last id is banned when
-    the ids before it end the output; a one-token word always is."""
-    import jax.numpy as jnp
-    prefix = metadata.bad_prefix
-    ends = jnp.all((prefix == ANY_TOKEN) | (prefix == recent[:, None, :]), axis=-1)
-    ban = jnp.where(ends, -jnp.inf, jnp.inf)  # min with +inf leaves a logit as it is
-    return logits.at[rows, metadata.bad_last].min(ban, mode="drop")
-
-
-def _penalize(logits, counts, metadata):
-    """vLLM's penalties (model_executor/layers/utils.py, apply_penalties): repetition
-    over prompt and output (positive logits divided, others multiplied), then the
-    output counts times the frequency penalty and their presence times the presence
-    penalty, subtracted."""
-    import jax.numpy as jnp
-    if counts.shape[1] < logits.shape[1]:  # a vocabulary padded past the tokenizer's
-        counts = jnp.pad(counts, ((0, 0), (0, logits.shape[1] - counts.shape[1])))
-    output = (counts & (IN_PROMPT - 1)).astype(jnp.float32)
-    repetition = jnp.where(counts != 0, metadata.repetition[:, None], 1.0)
-    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
-    return (logits - metadata.frequency[:, None] * output
-            - metadata.presence[:, None] * (output > 0))
-
-
-class TokenCounts:
-    """What each request has seen, on the device: a row of `vocab` int32 counts (its
-    output tokens, IN_PROMPT added for a prompt token) and its last RECENT output ids.
-    4 * (vocab + RECENT) bytes a slot and max_num_seqs + 1 slots: 1.0 MiB a slot at
-    Gemma 3's 262,144 ids (257 MiB at 256 sequences), 0.6 MiB at Qwen3's 151,936;
-    allocated when the first request asks for a penalty or bad words.
-
-    A request keeps its slot until it finishes, through preemption and chunked
-    prefill, since only the device knows its latest tokens. A slot is given to a new
-    request only when none is free, taken from one not in the batch (preempted), which
-    is rebuilt from the host's ids when it returns: by then the host has them all."""
-
-    def __init__(self, mesh, slots: int, vocab: int):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-        replicated = NamedSharding(mesh, P())
-        self.mesh, self.slots, self.vocab = mesh, slots, vocab
-        self.counts = jax.device_put(jnp.zeros((slots, vocab), jnp.int32), replicated)
-        self.recent = jax.device_put(jnp.full((slots, RECENT), NO_TOKEN, jnp.int32), replicated)
-        self.owner: dict[str, int] = {}  # request id -> slot
-        self.free = list(range(slots - 1, -1, -1))
-        self.pending: list[tuple[int, list[int], list[int]]] = []  # (slot, prompt, output)
-
-    def slot_of(self, req_id: str, request, in_batch: set[str]) -> int:
-        if req_id in self.owner:
-            return self.owner[req_id]
-        if self.free:
-            free = self.free.pop()
-        else:  # a preempted request's: rebuilt when it returns
-            evicted = next(r for r in self.owner if r not in in_batch)
-            free = self.owner.pop(evicted)
-        self.owner[req_id] = free
-        output = [t for t in (request.output_token_ids or []) if t >= 0]
-        self.pending.append((free, list(request.prompt_token_ids or []), output))
-        return free
-
-    def forget(self, live) -> None:
-        for req_id in [r for r in self.owner if r not in live]:
-            self.free.append(self.owner.pop(req_id))
-
-    def rebuild(self) -> None:
-        """Writes the new slots' rows from the host's ids (one program per size)."""
-        if not self.pending:
-            return
-        import numpy as np
-        from tpu_inference.utils import device_array
-        k = _bucket(len(self.pending))
-        prompt_width = _bucket(max(len(p) for _, p, _ in self.pending))
-        output_width = _bucket(max(len(o) for *_, o in self.pending))
-        slots = np.full(k, self.slots, np.int32)
-        prompt = np.full((k, prompt_width), self.vocab, np.int32)
-        output = np.full((k, output_width), self.vocab, np.int32)
-        recent = np.full((k, RECENT), NO_TOKEN, np.int32)
-        for i, (slot, p, o) in enumerate(self.pending):
-            slots[i], prompt[i, :len(p)], output[i, :len(o)] = slot, p, o
-            if o:
-                tail = o[-RECENT:]
-                recent[i, RECENT - len(tail):] = tail
-        self.pending.clear()
-        self.counts, self.recent = _rebuild()(
-            self.counts, self.recent,
-            *(device_array(self.mesh, a) for a in (slots, prompt, output, recent)))
-
-
-@functools.cache
-def _rebuild():
-    import jax
-
-    def rebuild(counts, recent, slots, prompt, output, last):
-        counts = counts.at[slots].set(0, mode="drop")
-        rows = slots[:, None]
-        counts = counts.at[rows, prompt].set(IN_PROMPT, mode="drop")
-        counts = counts.at[rows, output].add(1, mode="drop")
-        return counts, recent.at[slots].set(last, mode="drop")
-    return jax.jit(rebuild, donate_argnums=(0, 1))
-
-
-_COUNTS: list[TokenCounts] = []  # the runner's, once a request asks (one engine a process)
-
-
-def _token_counts(mesh, slots: int, vocab: int) -> TokenCounts:
-    if not _COUNTS:
-        _COUNTS.append(TokenCounts(mesh, slots, vocab))
-    return _COUNTS[0]
-
-
-def _bucket(n: int) -> int:
-    """Padded width of the per-row id lists: powers of two, so few compiled shapes."""
-    return max(8, 1 << (n - 1).bit_length())
 
 
 # What we add to the sampler: SamplingParams field -> whether a request asks for it.
@@ -300,7 +181,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
     counted = [(row, index, request, req_id) for row, index, request, req_id in rows
                if request.sampling_params is not None and _counted(request.sampling_params)]
     if counted:
-        counts = _token_counts(metadata._cache_collision_dummy.sharding.mesh,
+        counts = token_counts(metadata._cache_collision_dummy.sharding.mesh,
                                input_batch.max_num_reqs, vocab)
         counts.forget(requests)
         in_batch = {req_id for *_, req_id in rows}
@@ -318,7 +199,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
             frequency[row], presence[row] = params.frequency_penalty, params.presence_penalty
             words[row] = params.bad_words_token_ids or []
         counts.rebuild()
-        bad_last = np.full((n, _bucket(max(map(len, words)))), vocab, np.int32)
+        bad_last = np.full((n, bucket(max(map(len, words)))), vocab, np.int32)
         bad_prefix = np.full((*bad_last.shape, RECENT), ANY_TOKEN, np.int32)
         for row in range(n):
             for w, word in enumerate(words[row]):
@@ -339,9 +220,9 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
             biases[row] += [(t, -np.inf) for t in params.all_stop_token_ids]
         if params.allowed_token_ids is not None:
             restricted[row], allowed[row] = True, params.allowed_token_ids
-    bias_ids = np.full((n, _bucket(max(map(len, biases)))), vocab, np.int32)
+    bias_ids = np.full((n, bucket(max(map(len, biases)))), vocab, np.int32)
     bias = np.zeros(bias_ids.shape, np.float32)
-    allowed_ids = np.full((n, _bucket(max(map(len, allowed)))), vocab, np.int32)
+    allowed_ids = np.full((n, bucket(max(map(len, allowed)))), vocab, np.int32)
     for row in range(n):
         if biases[row]:
             ids, values = zip(*biases[row])
@@ -417,7 +298,7 @@ def extras_sampled() -> None:
     def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
         if isinstance(tpu_sampling_metadata, metadata_class()):
             if tpu_sampling_metadata.slot is not None:
-                counts = _COUNTS[0]
+                counts = token_counts()
                 tokens, processed, counts.counts, counts.recent = counting(
                     rng, mesh, logits, tpu_sampling_metadata, counts.counts, counts.recent)
                 return tokens, processed
