@@ -20,6 +20,22 @@ import pytest  # noqa: E402
 DEMO_API_KEY = "test-key"
 
 
+# The longest files (about a minute or more each), longest first: the two workers
+# take files in this order, then the rest alphabetically, so that no long file
+# starts last while the other worker idles. Scheduling only; any order passes.
+LONGEST_FIRST = ("test_doctor", "test_compile", "test_quant", "test_multi_lora", "test_tpu_path",
+                 "test_spec_decode", "test_hybrid_kv_cache", "test_sampler", "test_benchmarks",
+                 "test_attention", "test_tensor_parallel", "test_object_storage", "test_startup",
+                 "test_wheel", "test_data_parallel")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.module.__name__.rpartition(".")[2]
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: a file's tests stay in order and together
+
+
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory):
     """`tpu-models serve` with no model (the embedded demo), as the README starts it, plus

@@ -38,7 +38,7 @@ def test_two_ranks_give_the_tokens_of_one_and_share_the_requests(tmp_path):
         "qwen3 dp2": Server(qwen3, *common, log=tmp_path / "qwen3.log"),
         # Prompts up to 5 windows of the local layers, prefilled in chunks of 32.
         "gemma3 dp2 tp2": Server(gemma3, *common, "--tensor-parallel-size", "2",
-                                 "--max-num-batched-tokens", "32",
+                                 "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
                                  log=tmp_path / "gemma3.log", env=FOUR_DEVICES)}
     with launched(servers):
         for name, server in servers.items():

@@ -483,7 +483,7 @@ def served(request, tmp_path_factory):
                       if item.name.startswith("test_preset_served_by_vllm"))
     directories = {"qwen3": DEMO}
     if any(SERVED[i][1] == "gemma3" for i in selected):
-        directories["gemma3"] = request.getfixturevalue("gemma3")
+        directories["gemma3"] = request.getfixturevalue("gemma3_decisive")
     queue = ServerQueue(selected, directories, tmp_path_factory.mktemp("serve-logs"))
     if selected:
         queue.launch(selected[0])
