@@ -73,7 +73,6 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from tpu_inference.layers.common.sharding import ShardingAxisName
-    from tpu_inference.layers.jax.sample import sampling
 
     logits = jax.lax.with_sharding_constraint(
         logits.astype(jnp.float32), NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None)))
@@ -89,6 +88,28 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
         logits = penalize(logits, counts.at[metadata.slot].get(mode="fill", fill_value=0),
                            metadata)
     greedy = jnp.argmax(logits, axis=-1)
+    if metadata.do_sampling:
+        tokens, processed = _draw(rng, logits, greedy, metadata)
+    else:  # a batch of greedy requests: nothing to draw, no vocabulary-wide sort
+        tokens, processed = greedy, logits
+    tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
+    if not penalized:
+        return tokens, processed
+    # The slot of a row without one (or a discarded mid-prefill token) is out of range:
+    # its update is dropped.
+    slot = jnp.where(metadata.kept, metadata.slot, counts.shape[0])
+    counts = counts.at[slot, tokens].add(1, mode="drop")
+    shifted = jnp.concatenate([own[:, 1:], tokens[:, None].astype(own.dtype)], axis=1)
+    recent = recent.at[slot].set(shifted, mode="drop")
+    return tokens, processed, counts, recent
+
+
+def _draw(rng, logits, greedy, metadata):
+    """Temperature, min_p, top-k, top-p (tpu-inference's own masks), one categorical
+    draw per row: (tokens, processed logits), greedy rows keeping their argmax."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.layers.jax.sample import sampling
 
     is_greedy = metadata.temperature < sampling._SAMPLING_EPS
     scaled = logits / jnp.where(is_greedy, 1.0, metadata.temperature)[:, None]
@@ -99,6 +120,7 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
     processed = sampling._apply_sampling_transforms(scaled, top_k_top_p)
 
     impl = jax.random.key_impl(rng)
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)
 
     def row_key(seeded, low, high, position, row):
         own = jax.random.fold_in(jax.random.fold_in(jax.random.key(low, impl=impl), high),
@@ -108,20 +130,10 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
 
     keys = jax.random.wrap_key_data(
         jax.vmap(row_key)(metadata.seeded, metadata.seed_low, metadata.seed_high,
-                          metadata.position, rows[:, 0]), impl=impl)
+                          metadata.position, rows), impl=impl)
     drawn = jax.vmap(jax.random.categorical)(keys, processed)
-    tokens = jax.lax.with_sharding_constraint(jnp.where(is_greedy, greedy, drawn),
-                                              NamedSharding(mesh, P()))
-    processed = jnp.where(is_greedy[:, None], logits, processed)
-    if not penalized:
-        return tokens, processed
-    # The slot of a row without one (or a discarded mid-prefill token) is out of range:
-    # its update is dropped.
-    slot = jnp.where(metadata.kept, metadata.slot, counts.shape[0])
-    counts = counts.at[slot, tokens].add(1, mode="drop")
-    shifted = jnp.concatenate([own[:, 1:], tokens[:, None].astype(own.dtype)], axis=1)
-    recent = recent.at[slot].set(shifted, mode="drop")
-    return tokens, processed, counts, recent
+    return (jnp.where(is_greedy, greedy, drawn),
+            jnp.where(is_greedy[:, None], logits, processed))
 
 
 # What we add to the sampler: SamplingParams field -> whether a request asks for it.
@@ -170,6 +182,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
     if not any(req_id in _WANTING for *_, req_id in rows):
         return metadata
     import numpy as np
+    from tpu_inference.layers.jax.sample import sampling
     from vllm.sampling_params import SamplingType
     vocab = input_batch.vocab_size
     n = padded_num_reqs
@@ -235,7 +248,8 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
         return device_array(mesh, values, sharding=sharding)
     return metadata_class()(
         temperature=put(temperature), top_k=put(top_k), top_p=put(top_p),
-        _cache_collision_dummy=metadata._cache_collision_dummy, do_sampling=True,
+        _cache_collision_dummy=metadata._cache_collision_dummy,
+        do_sampling=bool((temperature >= sampling._SAMPLING_EPS).any()),
         logprobs=metadata.logprobs, min_p=put(min_p), seeded=put(seeded),
         seed_low=put((seed & 0xFFFF_FFFF).astype(np.uint32)),
         seed_high=put((seed >> np.uint64(32)).astype(np.uint32)), position=put(position),
