@@ -95,26 +95,21 @@ def _structured_outputs_an_object(request_class) -> None:
 def check_server_defaults(vllm_config) -> None:
     """A checkpoint's generation_config.json is every request's default: one the
     sampler cannot apply would have every request refused. Stop at start-up instead."""
-    model_config = vllm_config.model_config
-    defaults = model_config.get_diff_sampling_param()
-    refused = dict(IGNORED)
-    if vllm_config.speculative_config is not None:
-        refused.update({name: lambda v, name=name: ADDED[name](_with(name, v))
-                        for name in NOT_WITH_DRAFTS if name in defaults})
-    for name, is_set in refused.items():
-        if name in defaults and is_set(defaults[name]):
-            why = ("which tpu-inference's sampler cannot apply" if name in IGNORED else
-                   "which is not applied beside speculative decoding")
-            raise ValueError(
-                f"tpu-models: {model_config.model}'s generation_config.json sets {name}="
-                f"{defaults[name]!r}, {why}, so every request would be refused; serve "
-                "without the checkpoint's sampling defaults (--generation-config vllm) or "
-                f"override it (--override-generation-config '{{\"{name}\": ...}}')")
-
-
-def _with(name: str, value):
     from vllm.sampling_params import SamplingParams
-    return SamplingParams(**{name: value})
+    model_config = vllm_config.model_config
+    drafts = vllm_config.speculative_config is not None
+    for name, value in model_config.get_diff_sampling_param().items():
+        if name in IGNORED and IGNORED[name](value):
+            why = "which tpu-inference's sampler cannot apply"
+        elif drafts and name in NOT_WITH_DRAFTS and ADDED[name](SamplingParams(**{name: value})):
+            why = "which is not applied beside speculative decoding"
+        else:
+            continue
+        raise ValueError(
+            f"tpu-models: {model_config.model}'s generation_config.json sets {name}="
+            f"{value!r}, {why}, so every request would be refused; serve without the "
+            "checkpoint's sampling defaults (--generation-config vllm) or override it "
+            f"(--override-generation-config '{{\"{name}\": ...}}')")
 
 
 def parameters_checked() -> None:
