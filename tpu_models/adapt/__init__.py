@@ -19,6 +19,8 @@ MODULES = ("topology", "topology_programs", "host_portability", "rpa_interpret",
            "engine", "object_storage", "loading", "compilation", "kv_cache", "lora",
            "speculative", "structured_output", "sampling", "spec_fusion",
            "request_checks")
+# Installed by the module that needs them, not in every vLLM process (the ledger lists them).
+ON_IMPORT = {"tunix_rollout": "tpu_models.tunix"}
 _applied = False
 
 
@@ -58,10 +60,11 @@ def ledger() -> str:
         "version a feature whose patch cannot apply is refused at start-up, naming it.",
         "",
     ]
-    for name in MODULES:
+    for name in (*MODULES, *ON_IMPORT):
         module = importlib.import_module(f"{__name__}.{name}")
+        installed = f" Installed by `import {ON_IMPORT[name]}`." if name in ON_IMPORT else ""
         lines += [f"## {name} (`tpu_models/adapt/{name}.py`)", "",
-                  module.__doc__.strip().splitlines()[0], "",
+                  module.__doc__.strip().splitlines()[0] + installed, "",
                   "| patch | targets (parameters) | why | platform | feature refused without it "
                   "| upstream | test that fails without it |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]

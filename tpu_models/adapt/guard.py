@@ -105,6 +105,8 @@ KV_BUDGET = Feature("--kv-cache-memory-bytes on a TPU",
                     "size the cache with --gpu-memory-utilization")
 COMPILE_ONLY = Feature("compiling for a TPU topology (tpu-models compile)",
                        lambda *_: _compiling(), "install tpu-inference==" + WRITTEN_FOR)
+TUNIX_ROLLOUTS = Feature("Tunix's vLLM rollouts on our models (tpu_models.tunix)", lambda *_: False,
+                         "google-tunix==0.1.5's rollout_engine='vanilla'")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -249,4 +251,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
             LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP,
-            SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY, LOG)
+            SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY, TUNIX_ROLLOUTS, LOG)
