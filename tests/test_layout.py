@@ -84,9 +84,10 @@ def test_rooms_import_one_way(imports):
 
 def test_the_core_imports_no_patch(imports):
     # The seam (tpu_models.adapt) changes tpu-inference and vLLM; the models know nothing
-    # of it. The plugin wires the two together (runtime.SEAM).
+    # of it. The plugin wires the two together (runtime.SEAM), and tpu_models.tunix wires
+    # Tunix's sampler to its adaptations.
     core = [m for m in imports if room(m) == "models" and not m.startswith("tpu_models.adapt")
-            and m != "tpu_models.plugin"]
+            and m not in ("tpu_models.plugin", "tpu_models.tunix")]
     wrong = sorted(f"{m} -> {d}" for m in core for d in imports[m]
                    if d.startswith("tpu_models.adapt"))
     assert not wrong, wrong
@@ -115,8 +116,12 @@ def test_the_ledger_of_adaptations_is_in_step_with_the_code():
 
 
 def test_each_adaptation_names_a_test_that_exists():
+    import importlib
+
     from tpu_models import adapt
-    for patch in adapt.patches():
+    on_import = [p for name in adapt.ON_IMPORT
+                 for p in importlib.import_module(f"tpu_models.adapt.{name}").PATCHES]
+    for patch in adapt.patches() + on_import:
         file, _, name = patch.test.partition("::")
         source = (ROOT / file).read_text()
         assert re.search(rf"^def {name}\(", source, re.M), f"{patch.name}: no {patch.test}"

@@ -7,6 +7,7 @@ in-process engine); prints one JSON line of what it saw.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -79,6 +80,29 @@ def perturb(model, seed: int, kind) -> None:
         var.set_value(value + jnp.asarray(rng.normal(0, 0.05, value.shape), value.dtype))
 
 
+def refusals(model, runner, trained) -> list[str]:
+    """What a wrong or partial first sync is told (nothing is written before the checks)."""
+    from tpu_models.tunix import SyncError
+    full = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    cases = {"a leaf missing": {k: v for k, v in full.items()
+                                if "/".join(map(str, k)) != "layers/2/mlp/up_proj/kernel"},
+             "LoRA parameters alone": dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))}
+    extra = next(v for k, v in full.items() if k[-1] == "scale")
+    cases["a leaf with no engine weight"] = {**full, ("layers", 0, "attn", "gate", "scale"): extra}
+    wide = gemma3_lib.Gemma3(dataclasses.replace(CONFIG, hidden_dim=96), rngs=nnx.Rngs(params=0))
+    cases["another shape"] = dict(nnx.to_flat_state(nnx.state(wide, nnx.Param)))
+    messages = []
+    for name, flat in cases.items():
+        mapping = tpu_tunix.mapping_config(wide if name == "another shape" else model,
+                                           lora_alpha=LORA_ALPHA)
+        try:
+            mapping.sync(nnx.from_flat_state(flat), runner)
+            messages.append(f"{name}: synced")
+        except SyncError as e:
+            messages.append(f"{name}: {e}")
+    return messages
+
+
 def main() -> None:
     out = args.out
     model_dir = out / "model"
@@ -97,7 +121,7 @@ def main() -> None:
         provider = qwix.LoraProvider(
             module_path=".*q_einsum|.*kv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj",
             rank=LORA_RANK, alpha=LORA_ALPHA)
-        model = qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(7), **model.get_model_input())
+        model = qwix.apply_lora_to_model(model, provider, **model.get_model_input())
         randomize(model, 2, nnx.LoRAParam)
         trained = nnx.LoRAParam
 
@@ -146,6 +170,10 @@ def main() -> None:
         report["syncs_s"].append(time.perf_counter() - started)
         compare(f"after sync {step}")
 
+    runner = engine._sampler._model_runner
+    report["mesh"] = dict(runner.mesh.shape)
+    report["kv_cache_groups"] = len(runner.kv_cache_config.kv_cache_groups)
+    report["refused"] = refusals(model, runner, trained)
     sampled = base_rollout.RolloutConfig(**{**config.__dict__, "temperature": 1.0, "seed": 5})
     twice = [engine.generate([prompts[2]] * 2, sampled).tokens.tolist() for _ in range(2)]
     report["seeded"] = twice

@@ -193,19 +193,28 @@ class _Plan:
                 layout = f"{hf_layout} -> {kernel}"
             self.weights[name] = (name, rules[name], layout)
             self.params[name] = var
+        if missing := [f"{name} (from {rule.source})" for name, (_, rule, _) in
+                       self.weights.items() if rule.source not in base]:
+            raise SyncError(f"engine weights with no trainer leaf: {', '.join(missing[:4])}"
+                            f"{' ...' if len(missing) > 4 else ''} ({len(missing)})")
         used = {rule.source for _, rule, _ in self.weights.values()}
         if unused := sorted(base - used):
             raise SyncError(f"trainer leaves with no engine weight: {', '.join(unused[:6])}"
                             f"{' ...' if len(unused) > 6 else ''} ({len(unused)})")
-        shapes = jax.eval_shape(lambda s: self._convert(s, {}), {
-            n: jax.ShapeDtypeStruct(leaves[n][1].shape, leaves[n][1].dtype) for n in base})
-        for name, var in self.params.items():
-            want, got = tuple(var.get_value().shape), tuple(shapes[name].shape)
-            if not self._fits(name, got, want):
+        abstract = {n: jax.ShapeDtypeStruct(leaves[n][1].shape, leaves[n][1].dtype) for n in base}
+        hf = jax.eval_shape(lambda s: {n: self._hf(n, s) for n in self.params}, abstract)
+        for name in self.params:  # the exporter's check: the HF tensor config.json implies
+            got, want = tuple(hf[name].shape), tuple(hf_shapes[name])
+            if got != want:
                 rule = self.weights[name][1]
-                raise SyncError(f"trainer leaf {rule.source} {list(leaves[rule.source][1].shape)} "
-                                f"gives {name} {list(got)}; the engine's is {list(want)} "
-                                f"(its config.json: {runner.model_config.model})")
+                raise SyncError(f"trainer leaf {rule.source} {list(abstract[rule.source].shape)} "
+                                f"gives {name} {list(got)}; the engine's config.json implies "
+                                f"{list(want)} ({runner.model_config.model})")
+        shapes = jax.eval_shape(lambda s: self._convert(s, {}), abstract)
+        for name, var in self.params.items():  # and our kernels (vocabulary rows padded)
+            if tuple(shapes[name].shape) != tuple(var.get_value().shape):
+                raise SyncError(f"{name}: {list(shapes[name].shape)} from the trainer, "
+                                f"{list(var.get_value().shape)} in the engine")
         self.base = {}  # trainer base leaves, kept for LoRA-only syncs (references)
         self.lora = dict(arch.tunix.lora)
         self.slots = runner.lora_manager if isinstance(
@@ -217,14 +226,6 @@ class _Plan:
         shardings = {n: v.get_value().sharding for n, v in self.params.items()}
         self._weights_jit = jax.jit(self._convert, out_shardings=shardings)
         self._slots_jit = jax.jit(self._adapter)
-
-    @staticmethod
-    def _fits(name: str, got: tuple, want: tuple) -> bool:
-        """Equal shapes, or the vocabulary rows padded to the engine's shard count."""
-        if got == want:
-            return True
-        return (name.endswith(("embed_tokens.weight", "lm_head.weight")) and len(got) == len(want)
-                and got[1:] == want[1:] and got[0] <= want[0])
 
     # --- the conversion (traced) ---------------------------------------------------
 

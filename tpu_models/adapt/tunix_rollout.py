@@ -14,6 +14,9 @@ server starts never import Tunix.
   (random ones, after a dummy load). And the prefix cache kept KV blocks computed
   with the old weights. Both are refreshed after every sync, for any mapping;
   a mapping with its own copy (tpu_models.tunix.RolloutMapping) is used for it.
+- qwix 0.1.2 (tpu-inference's pin) gives a LoRA model a subclass of the model's
+  class that is a flax pytree where Tunix's models are not (flax 0.12): the LoRA
+  model's nnx.state was empty, so nothing could be trained or synced.
 """
 
 import dataclasses
@@ -148,6 +151,26 @@ def synced_weights_reach_the_step() -> None:
     VllmSampler.update_params = update_params
 
 
+def lora_models_keep_their_pytree_mode() -> None:
+    import qwix._src.model as qwix_model
+
+    original = qwix_model.quantize_nnx_model
+
+    def quantize_nnx_model(model, provider, *model_inputs, call_method="__call__",
+                           **model_inputs_kwargs):
+        quantized = original(model, provider, *model_inputs, call_method=call_method,
+                             **model_inputs_kwargs)
+        cls = type(quantized)
+        base = cls._unquantized_type
+        if cls._pytree__is_pytree != base._pytree__is_pytree:
+            fields = {k: v for k, v in vars(cls).items() if k in ("_unquantized_type", call_method)}
+            quantized.__class__ = type(base.__name__, (base, ), fields,
+                                       pytree=base._pytree__is_pytree)
+        return quantized
+
+    qwix_model.quantize_nnx_model = quantize_nnx_model
+
+
 TEST = "tests/test_tunix_rollouts.py"
 PATCHES = [
     Patch("engine arguments vLLM 0.32 takes", TUNIX_ROLLOUTS,
@@ -169,8 +192,14 @@ PATCHES = [
     Patch("synced weights reach the step", TUNIX_ROLLOUTS,
           (Target(f"{SAMPLER}.update_params", "self updated_weights filter_types"),
            Target("tpu_inference.runner.tpu_runner.TPUModelRunner.refresh_state_leaves", "self")),
-          "after a sync the runner dispatched its previous arrays (random after a dummy load), "
-          "and reused prefix KV computed with them",
+          "after a sync the runner ran its previous arrays (random after a dummy load) and "
+          "reused stale prefix KV",
           f"{TEST}::test_rollouts_equal_tunix_sampler_at_load_and_after_each_sync",
           synced_weights_reach_the_step),
+    Patch("qwix LoRA models keep their pytree mode", TUNIX_ROLLOUTS,
+          (Target("qwix._src.model.quantize_nnx_model",
+                  "model provider model_inputs call_method model_inputs_kwargs"), ),
+          "a Tunix model with qwix LoRA had an empty nnx.state: no LoRA parameter to train or sync",
+          f"{TEST}::test_lora_rollouts_equal_tunix_sampler_merged_and_in_slots",
+          lora_models_keep_their_pytree_mode),
 ]
