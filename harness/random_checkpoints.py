@@ -10,13 +10,16 @@ from tpu_models.loaders.maxtext import Layout
 
 
 def word_tokenizer(vocab_size: int):
-    """A word-level tokenizer over tokens t0..t{vocab_size-1} (t0 unknown, t1 end)."""
+    """A word-level tokenizer: <unk> 0, </s> 1 (the end), then words t2..t{vocab_size-1}.
+    Its special tokens are no word's prefix: an added token is matched inside words,
+    so an end token "t1" cut "t12" into "t1" + "2"."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    vocab = {"<unk>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
 
 
 def random_gemma3(directory: Path, *, num_layers: int, vocab_size: int, seed: int = 0,
