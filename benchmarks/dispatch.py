@@ -39,6 +39,8 @@ OWN_OPTIONS = {
                 "(the TPU compiler's estimates)"),
     "penalties": ("tpu_models.benchmarks.penalties", "the same load with and without presence, "
                   "frequency and repetition penalties: tok/s ratios (served)"),
+    "tunix": ("tpu_models.benchmarks.tunix_rollouts", "Tunix's vLLM rollouts on our Gemma 3: "
+              "LoRA sync in slots vs merged, rollout tok/s vs Tunix's sampler (in-process)"),
     "quant": ("tpu_models.benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }

@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-RUNS = {"tp1": (), "tp1 lora slots": ("--lora", "slots"), "tp2 lora merged": ("--tp", "2", "--lora", "merged")}
+RUNS = {"tp1": ("tests.tunix_rollouts_run", ),
+        "tp1 lora slots": ("tests.tunix_rollouts_run", "--lora", "slots"),
+        "tp2 lora merged": ("tests.tunix_rollouts_run", "--tp", "2", "--lora", "merged"),
+        "grpo": ("tests.tunix_grpo_run", )}
 # Both sides compute in float32 from the same weights; the engine's ops (paged
 # attention, fused projections) sum in other orders: log-probabilities agree to
 # a few float32 ulps of values near 5 (1.4e-6 seen). Greedy tokens are compared
@@ -28,11 +31,11 @@ LOGPROB_ATOL = 1e-5
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[str, dict]:
     procs = {}
-    for name, options in RUNS.items():
+    for name, (module, *options) in RUNS.items():
         out = tmp_path_factory.mktemp(name.replace(" ", "-"))
         log = open(out / "run.log", "w")
-        procs[name] = (subprocess.Popen([sys.executable, "-m", "tests.tunix_rollouts_run", str(out),
-                                         *options], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        procs[name] = (subprocess.Popen([sys.executable, "-m", module, str(out), *options], cwd=ROOT,
+                                        stdout=log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "SKIP_JAX_PRECOMPILE": "1"}), out)
     found = {}
     for name, (proc, out) in procs.items():
@@ -40,7 +43,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         text = (out / "run.log").read_text()
         line = next((ln for ln in text.splitlines() if ln.startswith("REPORT ")), None)
         assert proc.returncode == 0 and line, f"{name}:\n{text[-4000:]}"
-        found[name] = json.loads(line.removeprefix("REPORT "))
+        found[name] = json.loads(line.removeprefix("REPORT ")) | {"out": str(out)}
     return found
 
 
@@ -80,8 +83,8 @@ def test_lora_rollouts_equal_tunix_sampler_merged_and_in_slots(reports):
 def test_seeded_rollouts_repeat_and_rows_differ(reports):
     """RolloutConfig.seed reaches vLLM (request i: seed + i): the same call twice gives the
     same tokens, and two rows of one prompt differ (temperature 1)."""
-    for report in reports.values():
-        first, second = report["seeded"]
+    for name in ("tp1", "tp1 lora slots", "tp2 lora merged"):
+        first, second = reports[name]["seeded"]
         assert first == second
         assert first[0] != first[1]
 
@@ -99,3 +102,39 @@ def test_a_wrong_or_partial_sync_is_refused_by_name(reports):
     assert refused[3].startswith(
         "another shape: trainer leaf layers/0/mlp/down_proj/kernel [96, 64] gives "
         "model.layers.0.mlp.down_proj.weight [64, 96]; the engine's config.json implies [64, 128]")
+
+
+def without_padding(rows: list[list[int]], pad: int) -> list[list[int]]:
+    return [[t for t in row if t != pad] for row in rows]
+
+
+def test_grpo_with_vllm_rollouts_then_exported_and_served(reports, tmp_path):
+    """Tunix's GRPO learner, rollout_engine="vllm", LoRA rank 4, three steps on CPU, a
+    verifiable reward (Tunix's <reasoning>/<answer> format). At each step's rollout
+    both engines roll out greedily on that step's weights: equal. Then its LoRA
+    checkpoint, exported with `tpu-models export tunix` onto its base (exported from
+    the base Tunix saved), served with --reasoning-parser tunix: Tunix's sampler's
+    greedy tokens on the final weights."""
+    from tpu_models.harness.serve_process import Server
+
+    report, out = reports["grpo"], Path(reports["grpo"]["out"])
+    assert report["steps"] == 3 and len(report["checks"]) == 3
+    for step, check in enumerate(report["checks"]):
+        assert without_padding(check["vllm"], check["pad"]) == \
+            without_padding(check["tunix"], check["pad"]), f"step {step}"
+    assert len(report["rewards_seen"]) == 3 * 4  # two prompts, two generations each
+    def export(*argv):
+        run = subprocess.run([sys.executable, "-m", "tpu_models.server.cli", "export", "tunix",
+                              *map(str, argv)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+    export(out / "base-ckpt", "--base", out / "model", "--out", tmp_path / "base")
+    export(out / "ckpt", "--base", tmp_path / "base", "--lora-alpha", 8, "--out", tmp_path / "final")
+    final = report["final"]
+    with Server(tmp_path / "final", "--served-model-name", "m", "--reasoning-parser", "tunix",
+                "--max-model-len", "128", "--kv-cache-memory-bytes", str(16 << 20),
+                log=tmp_path / "serve.log") as server:
+        for prompt, want in zip(final["prompts"], without_padding(final["tokens"], final["pad"])):
+            reply = server.client().completions.create(
+                model="m", prompt=prompt, max_tokens=8, temperature=0,
+                extra_body={"return_token_ids": True})
+            assert [t for t in reply.choices[0].token_ids if t != final["pad"]] == want, prompt

@@ -224,7 +224,10 @@ class _Plan:
                             "(tpu_models.adapt.tunix_rollout adds it)")
         self.targets = targets(runner.model) if self.slots else {}
         shardings = {n: v.get_value().sharding for n, v in self.params.items()}
-        self._weights_jit = jax.jit(self._convert, out_shardings=shardings)
+        # The engine's previous weights are donated: the new ones take their buffers
+        # (no second copy of the model at the peak; nothing reads them between syncs).
+        self._weights_jit = jax.jit(lambda _old, sources, lora: self._convert(sources, lora),
+                                    donate_argnums=0, out_shardings=shardings)
         self._slots_jit = jax.jit(self._adapter)
 
     # --- the conversion (traced) ---------------------------------------------------
@@ -308,7 +311,8 @@ class _Plan:
         merge = lora and self.mapping.lora_mode == "merged"
         if base or merge:
             pairs = self._peft(lora) if merge else {}
-            new = self._weights_jit(self.base, pairs)
+            new = self._weights_jit({n: v.get_value() for n, v in self.params.items()},
+                                    self.base, pairs)
             for name, var in self.params.items():
                 var.set_value(new[name])
             moved["weights"] = len(new)

@@ -9,6 +9,8 @@ server starts never import Tunix.
 - Its per-request `seed` is dropped ("vLLM Jax backend doesn't support per request
   seed"); ours applies it: request i of a call gets seed + i, so a batch's rows
   differ and two rollouts with the same seed agree.
+- It asks for prompt log-probabilities and never reads them: a vocabulary-wide
+  projection and softmax per prompt token (262,144 wide on Gemma 3). Not asked.
 - A weight sync wrote into the runner's `state` and left `state_leaves`, which
   the runner dispatches with: rollouts went on with the weights of before
   (random ones, after a dummy load). And the prefix cache kept KV blocks computed
@@ -96,21 +98,21 @@ def seeds_and_adapter_per_request() -> None:
         mapping = _ours(self)
         adapter = (LoRARequest(ADAPTER_NAME, ADAPTER_ID, ADAPTER_PATH)
                    if mapping is not None and mapping.lora_mode == "slots" else None)
-        if self.llm is None or (seed is None and adapter is None):
+        if self.llm is None:
             return original(self, *args, **kwargs)
         generate = self.llm.generate
 
         def per_request(prompts, sampling_params=None, **options):
-            if seed is not None:
-                params = []
-                for i in range(len(prompts)):
-                    p = sampling_params.clone()
+            params = []
+            for i in range(len(prompts)):
+                p = sampling_params.clone()
+                p.prompt_logprobs = None
+                if seed is not None:
                     p.seed = seed + i
-                    params.append(p)
-                sampling_params = params
+                params.append(p)
             if adapter is not None:
                 options["lora_request"] = adapter
-            return generate(prompts, sampling_params=sampling_params, **options)
+            return generate(prompts, sampling_params=params, **options)
 
         self.llm.generate = per_request
         try:
@@ -183,11 +185,11 @@ PATCHES = [
           "every vLLM rollout prompt ended in EOS, unlike Tunix's Sampler's",
           f"{TEST}::test_rollouts_equal_tunix_sampler_at_load_and_after_each_sync",
           prompts_as_tunix_samples_them),
-    Patch("per-request seeds and the trainer's adapter", TUNIX_ROLLOUTS,
+    Patch("per-request seeds, the trainer's adapter, no prompt log-probs", TUNIX_ROLLOUTS,
           (Target(f"{SAMPLER}.__call__", "self input_strings max_generation_steps "
                   "max_prompt_length temperature top_p top_k beam_size seed multi_sampling "
                   "return_logits echo pad_output"), ),
-          "RolloutConfig.seed never reached vLLM; a LoRA in slots was never applied",
+          "RolloutConfig.seed never reached vLLM; a LoRA in slots was not applied",
           f"{TEST}::test_seeded_rollouts_repeat_and_rows_differ", seeds_and_adapter_per_request),
     Patch("synced weights reach the step", TUNIX_ROLLOUTS,
           (Target(f"{SAMPLER}.update_params", "self updated_weights filter_types"),
