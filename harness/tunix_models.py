@@ -60,13 +60,20 @@ def model_directory(cfg, directory: Path):
     return tokenizer
 
 
-def build(cfg, seed: int = 0):
+def build(cfg, seed: int = 0, mesh=None):
     """A Tunix Gemma 3 with decisive random weights (Tunix zero-initialises MLPs and
     norms): embeddings small beside the blocks' outputs, so that replies are not the
-    last token repeated."""
+    last token repeated. On `mesh`, sharded by its own partition specs (as Tunix's
+    trainers place it; qwix LoRA then shards A and B alike)."""
+    import jax
     from tunix.models.gemma3 import model as gemma3_lib
     model = gemma3_lib.Gemma3(cfg, rngs=nnx.Rngs(params=seed))
     randomize(model, seed + 1)
+    if mesh is not None:
+        state = nnx.state(model)
+        nnx.update(model, jax.tree.map(
+            lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)),
+            state, nnx.get_partition_spec(state)))
     return model
 
 

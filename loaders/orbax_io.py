@@ -87,10 +87,13 @@ def find_item(path: str | os.PathLike) -> Path:
     steps = sorted((int(p.name), p) for p in path.iterdir() if p.is_dir() and p.name.isdigit())
     if steps:
         return find_item(steps[-1][1])
-    if (path / "checkpoints").is_dir():
-        return find_item(path / "checkpoints")
+    # A MaxText run's root; a Tunix RL run's (its policy, `actor/<step>/model_params`).
+    for run_dir in ("checkpoints", "actor"):
+        if (path / run_dir).is_dir():
+            return find_item(path / run_dir)
     raise CheckpointError(f"{path}: no Orbax checkpoint here (looked for _METADATA, "
-                          f"{'/'.join(ITEMS)}/ and numbered step directories)")
+                          f"{'/'.join(ITEMS)}/, numbered step directories, checkpoints/ "
+                          "and actor/)")
 
 
 class OrbaxCheckpoint:

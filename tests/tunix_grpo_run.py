@@ -56,7 +56,7 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"),
                              axis_types=(jax.sharding.AxisType.Auto, ) * 2)
-    base = tunix_models.build(cfg)
+    base = tunix_models.build(cfg, mesh=mesh)
     # The run starts from an HF checkpoint: the base, saved as Tunix saves a model, exported.
     checkpoint_manager.CheckpointManager(str(out / "base-ckpt")).save(0, base, force=True)
     actor = tunix_models.with_lora(base, LORA_RANK, LORA_ALPHA)
@@ -99,7 +99,8 @@ def main() -> None:
         rl_cluster=cluster, reward_fns=[reward],
         algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.04))
     questions = tunix_models.prompts([5, 9, 12, 7, 6, 10], cfg.num_embed, seed=8)
-    data = [{"prompts": questions[2 * i:2 * i + 2], "answer": ["t7", "t9"]} for i in range(STEPS)]
+    data = [{"prompts": np.array(questions[2 * i:2 * i + 2]), "answer": np.array(["t7", "t9"])}
+            for i in range(STEPS)]  # batches as Tunix's grain pipelines give them
     learner.train(data)
     final = vanilla_rollout.VanillaRollout(cluster.actor_trainer.model, tokenizer, cache) \
         .generate(questions[:2], greedy)

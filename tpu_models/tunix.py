@@ -118,6 +118,10 @@ def trainer_leaves(state: nnx.State) -> dict[str, tuple[str, jax.Array]]:
 
 def _architecture(leaves) -> registry.Architecture:
     names = [n for n, (kind, _) in leaves.items() if kind == "param"]
+    if not names:
+        raise SyncError("the model's nnx.state holds no parameter (a qwix LoRA model made "
+                        "before `import tpu_models.tunix`, whose seam keeps it a graph? "
+                        "import it first)")
     for arch in registry.architectures():
         if arch.tunix is not None and arch.model is not None and arch.tunix.matches(names):
             return arch
@@ -229,6 +233,7 @@ class _Plan:
         self._weights_jit = jax.jit(lambda _old, sources, lora: self._convert(sources, lora),
                                     donate_argnums=0, out_shardings=shardings)
         self._slots_jit = jax.jit(self._adapter)
+        self._slot = None  # (slot, its index on the device)
 
     # --- the conversion (traced) ---------------------------------------------------
 
@@ -236,9 +241,9 @@ class _Plan:
         _, rule, _ = self.weights[name]
         return rule.to_hf_array(sources[rule.source])
 
-    def _convert(self, sources, lora):
-        """Engine weights from trainer leaves; `lora`: HF name -> (A [r, in], B [out, r])
-        of PEFT layout, scale folded into B, to merge."""
+    def _convert(self, sources, lora_leaves):
+        """Engine weights from trainer leaves, LoRA merged when `lora_leaves` has some."""
+        lora = self._peft(lora_leaves) if lora_leaves else {}
         out = {}
         for name, var in self.params.items():
             x = self._hf(name, sources)
@@ -310,9 +315,8 @@ class _Plan:
                             "(call mapping_config on the LoRA model)")
         merge = lora and self.mapping.lora_mode == "merged"
         if base or merge:
-            pairs = self._peft(lora) if merge else {}
             new = self._weights_jit({n: v.get_value() for n, v in self.params.items()},
-                                    self.base, pairs)
+                                    self.base, lora if merge else {})
             for name, var in self.params.items():
                 var.set_value(new[name])
             moved["weights"] = len(new)
@@ -328,7 +332,10 @@ class _Plan:
         if slot is None:
             used = set(slots.slot_of.values())
             slot = next(s for s in range(slots.num_slots) if s not in used)
-        slots.a, slots.b = slots._write(slots.a, slots.b, a, b, np.int32(slot))
+        if self._slot is None or self._slot[0] != slot:
+            # On the device once: Tunix syncs under a guard against host transfers.
+            self._slot = (slot, slots._replicated(np.array(slot, np.int32)))
+        slots.a, slots.b = slots._write(slots.a, slots.b, a, b, self._slot[1])
         slots.host[ADAPTER_ID] = {p: (a[p], b[p]) for p in a}  # re-slotted from these
         slots.pinned.add(ADAPTER_ID)
         slots.slot_of[ADAPTER_ID] = slot

@@ -18,7 +18,8 @@ server starts never import Tunix.
   a mapping with its own copy (tpu_models.tunix.RolloutMapping) is used for it.
 - qwix 0.1.2 (tpu-inference's pin) gives a LoRA model a subclass of the model's
   class that is a flax pytree where Tunix's models are not (flax 0.12): the LoRA
-  model's nnx.state was empty, so nothing could be trained or synced.
+  model's nnx.state was empty, so nothing could be trained or synced. And its A
+  and B kept the weight's partition spec (more axes than they have).
 """
 
 import dataclasses
@@ -168,9 +169,25 @@ def lora_models_keep_their_pytree_mode() -> None:
             fields = {k: v for k, v in vars(cls).items() if k in ("_unquantized_type", call_method)}
             quantized.__class__ = type(base.__name__, (base, ), fields,
                                        pytree=base._pytree__is_pytree)
+        _lora_specs_of_their_arrays(quantized)
         return quantized
 
     qwix_model.quantize_nnx_model = quantize_nnx_model
+
+
+def _lora_specs_of_their_arrays(model) -> None:
+    """qwix 0.1.2 shards A and B by the weight's spec, transposed, but writes the
+    transposed spec to `sharding`, which flax 0.12 no longer reads: their partition
+    spec stayed the weight's (three or four axes for a two-axis A), and Tunix's
+    optimizer sharding refused them. Their arrays' own placement is the spec."""
+    from flax import nnx
+
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        value, spec = var.get_value(), var.get_metadata().get("out_sharding")
+        if spec is None or len(spec) == value.ndim:
+            continue
+        placed = tuple(getattr(value.sharding, "spec", ()))
+        var.set_metadata("out_sharding", placed + (None, ) * (value.ndim - len(placed)))
 
 
 TEST = "tests/test_tunix_rollouts.py"
