@@ -146,14 +146,14 @@ def _layer(name: str) -> tuple[int | None, str]:
     return (int(m.group(2)), f"{m.group(1)}/{{i}}/{m.group(3)}") if m else (None, name)
 
 
-def _kernel_layout(einsum_str: str) -> tuple[str, str, str]:
-    """"TD,DNH->TNH" -> ("(N H) D", "D N H", "D"): HF's [out, in] layout of a kernel,
-    the kernel's own, and its input axes (as tpu-inference's loader reads HF weights)."""
+def _kernel_layout(einsum_str: str) -> str:
+    """"TD,DNH->TNH" -> "(N H) D -> D N H": HF's [out, in] weight as the kernel lays it
+    out (as tpu-inference's loader reads HF weights into an einsum)."""
     lhs, rest = einsum_str.replace(" ", "").split(",")
     kernel = rest.split("->")[0]
     ins = [a for a in kernel if a in lhs[1:]]
     outs = [a for a in kernel if a not in ins]
-    return f"({' '.join(outs)}) ({' '.join(ins)})", " ".join(kernel), "".join(ins)
+    return f"({' '.join(outs)}) ({' '.join(ins)}) -> {' '.join(kernel)}"
 
 
 class _Plan:
@@ -178,7 +178,7 @@ class _Plan:
         rules = expand(arch.tunix.weight_rules(base), hf_config.num_hidden_layers)
         einsums = {node.prefix: node.einsum_str for _, node in nnx.iter_graph(runner.model)
                    if isinstance(node, JaxEinsum)}
-        self.weights = {}  # engine path -> (HF name, Rule, einops HF -> ours or None)
+        self.weights = {}  # engine path (its HF name) -> (Rule, einops HF -> ours or None)
         self.params = {}  # engine path -> its nnx.Variable
         for path, var in nnx.to_flat_state(runner.state):
             if not isinstance(var, nnx.Param):
@@ -191,17 +191,15 @@ class _Plan:
                 raise SyncError(f"engine weight {name} has no trainer leaf in Tunix's "
                                 f"{arch.hf_name} layout")
             prefix = name.rsplit(".", 1)[0]
-            layout = None
-            if prefix in einsums and name.endswith(".weight"):
-                hf_layout, kernel, _ = _kernel_layout(einsums[prefix])
-                layout = f"{hf_layout} -> {kernel}"
-            self.weights[name] = (name, rules[name], layout)
+            layout = (_kernel_layout(einsums[prefix])
+                      if prefix in einsums and name.endswith(".weight") else None)
+            self.weights[name] = (rules[name], layout)
             self.params[name] = var
-        if missing := [f"{name} (from {rule.source})" for name, (_, rule, _) in
+        if missing := [f"{name} (from {rule.source})" for name, (rule, _) in
                        self.weights.items() if rule.source not in base]:
             raise SyncError(f"engine weights with no trainer leaf: {', '.join(missing[:4])}"
                             f"{' ...' if len(missing) > 4 else ''} ({len(missing)})")
-        used = {rule.source for _, rule, _ in self.weights.values()}
+        used = {rule.source for rule, _ in self.weights.values()}
         if unused := sorted(base - used):
             raise SyncError(f"trainer leaves with no engine weight: {', '.join(unused[:6])}"
                             f"{' ...' if len(unused) > 6 else ''} ({len(unused)})")
@@ -210,7 +208,7 @@ class _Plan:
         for name in self.params:  # the exporter's check: the HF tensor config.json implies
             got, want = tuple(hf[name].shape), tuple(hf_shapes[name])
             if got != want:
-                rule = self.weights[name][1]
+                rule = self.weights[name][0]
                 raise SyncError(f"trainer leaf {rule.source} {list(abstract[rule.source].shape)} "
                                 f"gives {name} {list(got)}; the engine's config.json implies "
                                 f"{list(want)} ({runner.model_config.model})")
@@ -238,7 +236,7 @@ class _Plan:
     # --- the conversion (traced) ---------------------------------------------------
 
     def _hf(self, name, sources):
-        _, rule, _ = self.weights[name]
+        rule, _ = self.weights[name]
         return rule.to_hf_array(sources[rule.source])
 
     def _convert(self, sources, lora_leaves):
@@ -250,7 +248,7 @@ class _Plan:
             if name in lora:
                 a, b = lora[name]
                 x = x + (b.astype(jnp.float32) @ a.astype(jnp.float32)).astype(x.dtype)
-            _, _, layout = self.weights[name]
+            _, layout = self.weights[name]
             if layout:
                 x = rearrange(x, layout, **self._sizes(var, layout))
             want = var.get_value().shape
