@@ -70,8 +70,7 @@ def worker(args) -> dict:
         rollout_vllm_tpu_backend_type="jax",
         rollout_mapping_config=tpu_tunix.mapping_config(model, lora_alpha=2.0 * args.lora_rank,
                                                         lora=mode))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"),
-                             axis_types=(jax.sharding.AxisType.Auto, ) * 2)
+    mesh = tunix_models.mesh()
     vllm = vllm_rollout.VllmRollout(model, tokenizer, prompt_len + args.tokens + 8, mesh, config)
     runner = vllm._sampler._model_runner
 

@@ -28,6 +28,14 @@ def config(shape: str, dtype=jnp.float32, **overrides):
                                   global_base_frequency=1_000_000, param_dtype=dtype)
 
 
+def mesh(tensor_parallel: int = 1):
+    """The trainer's mesh, as Tunix's models name its axes: (fsdp 1, tp N), axes Auto."""
+    import jax
+    devices = np.array(jax.devices()[:tensor_parallel]).reshape(1, tensor_parallel)
+    return jax.sharding.Mesh(devices, ("fsdp", "tp"),
+                             axis_types=(jax.sharding.AxisType.Auto, ) * 2)
+
+
 def hf_config(cfg, eos: int) -> dict:
     """The HF config.json of a Tunix Gemma 3 (Tunix's conventions are HF's: Tunix
     layouts in tpu_models/gemma3/checkpoints.py)."""

@@ -21,7 +21,6 @@ args = parser.parse_args()
 
 import tpu_models.tunix as tpu_tunix  # noqa: E402  (before JAX and vLLM)
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
@@ -54,8 +53,7 @@ def main() -> None:
     cfg = tunix_models.config("tiny")
     tokenizer = tunix_models.model_directory(cfg, out / "model")
     eos = tokenizer.eos_token_id
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"),
-                             axis_types=(jax.sharding.AxisType.Auto, ) * 2)
+    mesh = tunix_models.mesh()
     base = tunix_models.build(cfg, mesh=mesh)
     # The run starts from an HF checkpoint: the base, saved as Tunix saves a model, exported.
     checkpoint_manager.CheckpointManager(str(out / "base-ckpt")).save(0, base, force=True)

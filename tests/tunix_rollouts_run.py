@@ -61,8 +61,7 @@ def main() -> None:
     cfg = tunix_models.config("tiny")
     tokenizer = tunix_models.model_directory(cfg, args.out / "model")
     eos = tokenizer.eos_token_id
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:args.tp]).reshape(1, args.tp), ("fsdp", "tp"),
-                             axis_types=(jax.sharding.AxisType.Auto, ) * 2)
+    mesh = tunix_models.mesh(args.tp)
     model, trained = tunix_models.build(cfg), nnx.Param
     if args.lora:
         model, trained = tunix_models.with_lora(model, LORA_RANK, LORA_ALPHA), nnx.LoRAParam
