@@ -152,6 +152,7 @@ class AdapterSlots:
         self.pinned: set[int] = set()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.slots = self._replicated(np.full(1, -1, np.int32))
+        self._slot_index: dict[int, jax.Array] = {}  # slot -> its index on the device
         # No donation: a step in flight (async scheduling) may still read the old buffers.
         self._write = jax.jit(_write_slot, out_shardings=(
             jax.tree.map(lambda x: x.sharding, self.a), jax.tree.map(lambda x: x.sharding, self.b)))
@@ -243,13 +244,6 @@ class AdapterSlots:
         if lora_id in self.slot_of:
             self.slot_of.move_to_end(lora_id)
             return self.slot_of[lora_id]
-        used = set(self.slot_of.values())
-        free = [s for s in range(self.num_slots) if s not in used]
-        if free:
-            slot = free[0]
-        else:  # the least recently used adapter this batch does not need
-            victim = next(i for i in self.slot_of if i not in keep)
-            slot = self.slot_of.pop(victim)
         # Every projection is written (zeros where the adapter has none), so the
         # write compiles once whatever an adapter targets.
         weights, R = self.host[lora_id], self.max_rank
@@ -257,10 +251,33 @@ class AdapterSlots:
              for p, t in self.targets.items()}
         b = {p: np.asarray(weights[p][1] if p in weights else np.zeros((R, *t.outs)), self.b[p].dtype)
              for p, t in self.targets.items()}
+        return self._store(lora_id, self._free_slot(keep), a, b)
+
+    def _free_slot(self, keep) -> int:
+        used = set(self.slot_of.values())
+        if free := [s for s in range(self.num_slots) if s not in used]:
+            return free[0]
+        victim = next(i for i in self.slot_of if i not in keep)  # the least recently used
+        return self.slot_of.pop(victim)
+
+    def _store(self, lora_id: int, slot: int, a: dict, b: dict) -> int:
         if not _abstract(self.a):  # `tpu-models compile`: shapes only, nothing runs
-            self.a, self.b = self._write(self.a, self.b, a, b, np.int32(slot))
+            if slot not in self._slot_index:  # to the device once (see write_pinned)
+                self._slot_index[slot] = self._replicated(np.array(slot, np.int32))
+            self.a, self.b = self._write(self.a, self.b, a, b, self._slot_index[slot])
         self.slot_of[lora_id] = slot
         return slot
+
+    def write_pinned(self, lora_id: int, a: dict, b: dict) -> None:
+        """Writes an adapter whose A and B are already on the device in the slots'
+        layout (every target, padded to R: a trainer's, synced in memory), pinned,
+        into the slot it holds or a free one. Nothing crosses from the host: Tunix
+        syncs under a guard against host transfers. The host cache keeps the
+        arrays, to re-slot it from if another adapter takes its slot."""
+        slot = self.slot_of[lora_id] if lora_id in self.slot_of else self._free_slot(keep=())
+        self._store(lora_id, slot, a, b)
+        self.host[lora_id] = {p: (a[p], b[p]) for p in a}
+        self.pinned.add(lora_id)
 
     def batch(self) -> LoraBatch:
         return LoraBatch(self.slots, self.a, self.b)

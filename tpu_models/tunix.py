@@ -44,7 +44,6 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from einops import rearrange  # noqa: E402
 from flax import nnx  # noqa: E402
 from tunix.generate.mappings import MappingConfig  # noqa: E402
@@ -231,7 +230,6 @@ class _Plan:
         self._weights_jit = jax.jit(lambda _old, sources, lora: self._convert(sources, lora),
                                     donate_argnums=0, out_shardings=shardings)
         self._slots_jit = jax.jit(self._adapter)
-        self._slot = None  # (slot, its index on the device)
 
     # --- the conversion (traced) ---------------------------------------------------
 
@@ -320,23 +318,9 @@ class _Plan:
             moved["weights"] = len(new)
         if lora and self.mapping.lora_mode == "slots":
             a, b = self._slots_jit(lora)
-            self._write_adapter(a, b)
+            self.slots.write_pinned(ADAPTER_ID, a, b)
             moved["adapter"] = len(lora)
         return moved
-
-    def _write_adapter(self, a, b) -> None:
-        slots = self.slots
-        slot = slots.slot_of.get(ADAPTER_ID)
-        if slot is None:
-            used = set(slots.slot_of.values())
-            slot = next(s for s in range(slots.num_slots) if s not in used)
-        if self._slot is None or self._slot[0] != slot:
-            # On the device once: Tunix syncs under a guard against host transfers.
-            self._slot = (slot, slots._replicated(np.array(slot, np.int32)))
-        slots.a, slots.b = slots._write(slots.a, slots.b, a, b, self._slot[1])
-        slots.host[ADAPTER_ID] = {p: (a[p], b[p]) for p in a}  # re-slotted from these
-        slots.pinned.add(ADAPTER_ID)
-        slots.slot_of[ADAPTER_ID] = slot
 
 
 def _install() -> None:
