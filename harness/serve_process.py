@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+from tpu_models.harness import preloaded
 from tpu_models.server.loopback import ServeProcess
 
 # vLLM's start-up line (v1/core/kv_cache_utils.py), e.g. "TPU KV cache size: 10,381
@@ -53,15 +54,21 @@ class Server(ServeProcess):
         self.api_key = api_key
         if api_key:
             args = (*args, "--api-key", api_key)
+        self.argv = [*([str(model)] if model else []), "--port", str(self.port), *args]
+        self.forkable = command is None  # `tpu-models serve` itself (harness/preloaded.py)
         base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
-        self.command = [*base, *([str(model)] if model else []), "--port", str(self.port), *args]
+        self.command = [*base, *self.argv]
         # vLLM posts usage statistics to its server unless told not to: loopback only here.
         self.env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
         self.cwd = cwd  # None: this process's
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
-        super().launch(self.command, self.env, self.cwd)
+        if preloaded.ENABLED and self.forkable and preloaded.can_fork(self.env):
+            self.started = time.monotonic()
+            self.process = preloaded.launch(self.argv, self.env, self.log_path, self.cwd)
+        else:
+            super().launch(self.command, self.env, self.cwd)
         return self
 
     def start(self) -> "Server":

@@ -217,13 +217,20 @@ def check_model(model: str) -> None:
                  f"--out {model.rstrip('/')}-text")
 
 
-def main(argv: list[str]) -> None:
+def prepare(argv: list[str]) -> tuple[list[str], dict]:
+    """vLLM's command line and environment for `tpu-models serve ARGV`, the model
+    checked; this process's environment updated to it. Exits naming the fault."""
     try:
         command, env = build_command(argv, os.environ)
     except (quant_rules.RulesError, ValueError) as e:
         sys.exit(f"tpu-models serve: {e}")
     os.environ.update(env)  # the storage emulator's settings, if any; exec'd with them next
     check_model(command[4])
+    return command, env
+
+
+def main(argv: list[str]) -> None:
+    command, env = prepare(argv)
     if "--dry-run" in argv:
         changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
         print(" ".join(f"{k}={v}" for k, v in sorted(changed.items())), " ".join(command))

@@ -299,19 +299,14 @@ def test_adapters_shard_like_their_base_weights(tmp_path):
     """TP 1, 2 and 4 (fake CPU devices): each request's logits equal peft's merge of
     its adapter, and each slot buffer is split along its base kernel's split axes."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from tests.test_tensor_parallel import FOUR_DEVICES, MODELS
+    from tests.test_tensor_parallel import MODELS, run_worker
 
     base = MODELS["qwen3-structural"](tmp_path / "base")  # one KV head: replicated K/V over 2, 4
     adapters = [make_lora(base, tmp_path / f"a{i}", r=r, seed=30 + i, use_rslora=i == 1)
                 for i, r in enumerate((4, 8, 2))]
     out = tmp_path / "tp.json"
-    subprocess.run([sys.executable, "-m", "tests.tp_worker", str(base), str(out),
-                    *map(str, adapters)], check=True, timeout=900,
-                   env={**os.environ, **FOUR_DEVICES}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    run_worker([str(base), str(out), *map(str, adapters)], tmp_path / "tp.log")
     results = json.loads(out.read_text())
     references = {f"r{i}": Reference(base, adapter=a) for i, a in enumerate(adapters)}
     references["base"] = Reference(base)

@@ -4,12 +4,12 @@ tests/test_tpu_path.py (the RPA backend), tests/test_object_storage.py (from gs:
 
 import json
 import os
-import subprocess
-import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tpu_models.harness import preloaded
 from tests.tiny import make_gemma3, make_qwen3
 
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
@@ -20,13 +20,18 @@ MODELS = {
 }
 
 
+def run_worker(args: list[str], log: Path) -> None:
+    """tests/tp_worker.py in a process of its own (fake devices exist from JAX's start)."""
+    worker = preloaded.python_module("tests.tp_worker", args, {**os.environ, **FOUR_DEVICES}, log,
+                                     cwd=Path(__file__).parents[1])
+    assert worker.wait(900) == 0, log.read_text()[-4000:]
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_greedy_tokens_equal_across_tensor_parallel_sizes(model, tmp_path):
     directory = MODELS[model](tmp_path / model)
     out = tmp_path / "tp.json"
-    subprocess.run([sys.executable, "-m", "tests.tp_worker", str(directory), str(out)],
-                   check=True, timeout=900, env={**os.environ, **FOUR_DEVICES},
-                   cwd=os.path.dirname(os.path.dirname(__file__)))
+    run_worker([str(directory), str(out)], tmp_path / "tp.log")
     results = json.loads(out.read_text())
     for tp in ("2", "4"):
         assert results[tp]["tokens"] == results["1"]["tokens"], f"TP={tp}"

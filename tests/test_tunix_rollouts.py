@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tpu_models.harness import preloaded
+
 ROOT = Path(__file__).parents[1]
 RUNS = {"tp1": ("tests.tunix_rollouts_run", ),
         "tp1 lora slots": ("tests.tunix_rollouts_run", "--lora", "slots"),
@@ -34,10 +36,8 @@ def reports(tmp_path_factory) -> dict[str, dict]:
     def start(name):
         module, *options = RUNS[name]
         out = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        log = open(out / "run.log", "w")
-        return subprocess.Popen([sys.executable, "-m", module, str(out), *options], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "SKIP_JAX_PRECOMPILE": "1"}), out
+        return preloaded.python_module(module, [str(out), *options], cwd=ROOT, log=out / "run.log",
+                                       env={**os.environ, "SKIP_JAX_PRECOMPILE": "1"}), out
 
     found, names = {}, list(RUNS)
     for pair in (names[:2], names[2:]):
