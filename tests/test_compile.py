@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tpu_models.server.serve import DEFAULT_MODEL
+from tests.conftest import tpu_compile_env
 
 pytestmark = pytest.mark.e2e  # each compile is a vLLM start-up: 20-60 s
 DOCTOR = Path(__file__).parents[1] / "server" / "doctor_models"
@@ -30,8 +31,8 @@ def compile_(tmp_path, *args, env=None) -> tuple[int, dict | None, str]:
     """`tpu-models compile ARGS --json`: (exit status, report, output)."""
     out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
     # compile sets the platform; in-process CPU tests leave MIN_TOKEN_BUCKET=1 behind.
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "MIN_TOKEN_BUCKET")}
+    environment = tpu_compile_env({k: v for k, v in os.environ.items() if k not in
+                                   ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "MIN_TOKEN_BUCKET")})
     done = subprocess.run([sys.executable, "-m", "tpu_models.server.cli", "compile", *args,
                            "--json", str(out)], capture_output=True, text=True, timeout=600,
                           env={**environment, **(env or {})})

@@ -11,10 +11,10 @@ import requests
 
 from tpu_models.harness.serve_process import Server, launched
 from tests.test_serve_e2e import complete_all
+from tests.test_tensor_parallel import FOUR_DEVICES
 from tests.tiny import Reference, make_gemma3, make_qwen3
 
 pytestmark = pytest.mark.e2e
-FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
 def served_by_engine(server) -> dict[str, float]:

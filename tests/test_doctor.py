@@ -12,6 +12,7 @@ import pytest
 
 from tpu_models import host
 from tpu_models.server.doctor import MODELS, mismatches
+from tests.conftest import tpu_compile_env
 from tests.tiny import Reference
 
 
@@ -82,7 +83,8 @@ def test_doctor_cannot_run_with_an_unknown_attention_path():
 def test_doctor_compiles_both_architectures_for_a_tpu_slice(tmp_path):
     """--topology: both shipped checkpoints compiled for a v6e-4 at TP 4 by the TPU
     compiler (tpu-models compile), on this CPU host; their reports kept."""
-    out, _ = doctor("--topology", "v6e-4", "--keep-logs", str(tmp_path)).communicate(timeout=600)
+    out, _ = doctor("--topology", "v6e-4", "--keep-logs", str(tmp_path),
+                    env=tpu_compile_env(dict(os.environ))).communicate(timeout=600)
     lines = out.strip().splitlines()
     assert lines[-1].startswith("doctor: ok, both architectures compile for v6e-4 and fit"), out
     for name in ("qwen3-structural", "gemma3"):

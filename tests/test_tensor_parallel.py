@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from tpu_models.harness import preloaded
+from tests.conftest import fake_devices
 from tests.tiny import make_gemma3, make_qwen3
 
-FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+FOUR_DEVICES = fake_devices(4)
 MODELS = {
     # one KV head for 2 and 4 shards; a vocabulary no shard count divides
     "qwen3-structural": lambda d: make_qwen3(d, num_heads=4, num_kv_heads=1, vocab_size=383),

@@ -19,7 +19,7 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--lora", choices=["slots", "merged"])
 args = parser.parse_args()
 if args.tp > 1:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.tp}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.tp}"
 
 import tpu_models.tunix as tpu_tunix  # noqa: E402  (before JAX and vLLM)
 
