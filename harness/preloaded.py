@@ -21,47 +21,43 @@ PRELOAD = ["tpu_models.server.vllm_main", "tpu_models.server.serve",
            "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server"]
 ENABLED = False  # the tests set it (tests/conftest.py); benchmarks leave it
 _context = None
-_preloaded_env: dict = {}
+_preloaded_env: dict = {}  # the forkserver's environment, once it is started
 
 
-def can_fork(env: dict) -> bool:
-    """False where the server's environment differs from the preloaded one in a
-    variable read at import (JAX's options, Python's own)."""
-    global _preloaded_env
-    if _context is None:
-        _preloaded_env = dict(os.environ)
-    keys = {k for k in set(env) | set(_preloaded_env) if k.startswith(("JAX_", "PYTHON"))}
-    return all(env.get(k) == _preloaded_env.get(k) for k in keys)
+def forks(env: dict) -> bool:
+    """Whether a process of environment `env` is forked: where enabled, unless `env`
+    differs from the preloaded one in a variable read at import (JAX's options,
+    Python's own)."""
+    preloaded = _preloaded_env if _context is not None else os.environ
+    keys = {k for k in set(env) | set(preloaded) if k.startswith(("JAX_", "PYTHON"))}
+    return ENABLED and all(env.get(k) == preloaded.get(k) for k in keys)
 
 
-def _forkserver():
-    global _context
+def _fork(target, args: tuple, name: str) -> "Forked":
+    global _context, _preloaded_env
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-    return _context
+        _preloaded_env = dict(os.environ)  # what the forkserver starts with, below
+    process = _context.Process(target=target, args=args, name=name)
+    process.start()
+    return Forked(process)
 
 
 def launch(argv: list[str], env: dict, log: str, cwd=None) -> "Forked":
     """`tpu-models serve ARGV` (argv after `serve`) forked, writing to `log`."""
-    process = _forkserver().Process(target=_serve, args=(argv, env, str(log), cwd),
-                                    name="tpu-models serve")
-    process.start()
-    return Forked(process)
+    return _fork(_serve, (argv, env, str(log), cwd), "tpu-models serve")
 
 
 def python_module(module: str, args: list[str], env: dict, log, cwd=None):
     """`python -m MODULE ARGS` (a test's script that runs an engine in a process
     of its own), writing to `log`: forked where it can be, else started afresh.
     A subprocess.Popen or its surface (`Forked`)."""
-    if not (ENABLED and can_fork(env)):
+    if not forks(env):
         with open(log, "w") as out:
             return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=cwd,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    process = _forkserver().Process(target=_run_module, args=(module, args, env, str(log), cwd),
-                                    name=module)
-    process.start()
-    return Forked(process)
+    return _fork(_run_module, (module, args, env, str(log), cwd), module)
 
 
 def _run_module(module, args, env, log, cwd) -> None:
@@ -122,5 +118,5 @@ class Forked:
     def wait(self, timeout=None):
         self._process.join(timeout)
         if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired("tpu-models serve", timeout)
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
         return self._process.exitcode

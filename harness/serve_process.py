@@ -64,7 +64,7 @@ class Server(ServeProcess):
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
-        if preloaded.ENABLED and self.forkable and preloaded.can_fork(self.env):
+        if self.forkable and preloaded.forks(self.env):
             self.started = time.monotonic()
             self.process = preloaded.launch(self.argv, self.env, self.log_path, self.cwd)
         else:

@@ -19,7 +19,8 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--lora", choices=["slots", "merged"])
 args = parser.parse_args()
 if args.tp > 1:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.tp}"
+    from tests.conftest import fake_devices
+    os.environ.update(fake_devices(args.tp))
 
 import tpu_models.tunix as tpu_tunix  # noqa: E402  (before JAX and vLLM)
 
