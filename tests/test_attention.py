@@ -290,6 +290,16 @@ def test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches():
             args["block_tables"], args["cu_q_lens"], distribution, **options)
         where = f"trial {trial}: {requests}, heads {num_heads}/{kv_heads}x{head_dim}, " \
                 f"window {window}, cap {soft_cap}, fp8 {fp8}"
+        if trial < 4:  # a batch a config (each compiles the reference's operations again)
+            # TPU_MODELS_ATTENTION=rpa-reference: the reference given the live pages only,
+            # called from a jitted step: the same arithmetic, so the same bits.
+            hosted_out, hosted_cache = _by_reference(
+                args["q"], args["k"], args["v"], args["kv_cache"], args["seq_lens"],
+                args["block_tables"], args["cu_q_lens"], distribution, **options)
+            np.testing.assert_array_equal(np.asarray(hosted_cache, np.float32),
+                                          np.asarray(want_cache, np.float32), err_msg=where)
+            np.testing.assert_array_equal(np.asarray(hosted_out)[:tokens], np.asarray(want_out),
+                                          err_msg=where)
         # The cache holds copies (no arithmetic): equal to the bit. The Pallas kernel
         # skips writing new tokens that are already behind the window when it skips
         # their key block; no query reads them.
@@ -328,6 +338,13 @@ def _behind_the_window(inputs, requests, window):
         for position in range(context, min(context + q_len, context + q_len - window)):
             mask[tables[r, position // PAGE], position % PAGE] = True
     return mask
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "k_scale", "v_scale"))
+def _by_reference(*args, **kwargs):
+    from tpu_models.adapt.rpa_kernel import by_reference
+    return by_reference(ref_ragged_paged_attention)(*args, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",

@@ -26,12 +26,32 @@ def by_reference(reference):
     import jax.numpy as jnp
     import numpy as np
 
-    def on_host(options, queries, *arrays):
-        out, cache = reference(*(jnp.asarray(a) for a in (queries, *arrays)), **options)
+    def on_host(options, queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
+                distribution):
+        # The reference writes each request's pages back with a scatter into the whole
+        # cache, eagerly: a copy of the cache per request and layer. It is given the
+        # pages the live requests read instead (gathered, page numbers renamed, their
+        # count padded to a power of two so the scatters compile a few shapes), and
+        # they are put back after. Nothing else is read or written.
+        pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
+        page_size = kv_cache.shape[1]
+        spans = [slice(i * pages_per_seq, i * pages_per_seq + -(-int(kv_lens[i]) // page_size))
+                 for i in range(int(distribution[-1]))]
+        used = np.unique(np.concatenate([page_indices[s] for s in spans] + [np.zeros(0, np.int32)]))
+        pages = np.zeros((1 << max(len(used) - 1, 0).bit_length(),) + kv_cache.shape[1:],
+                         kv_cache.dtype)
+        pages[:len(used)] = kv_cache[used]
+        renamed = np.zeros_like(page_indices)
+        for s in spans:
+            renamed[s] = np.searchsorted(used, page_indices[s])
+        out, written = reference(*(jnp.asarray(a) for a in (
+            queries, keys, values, pages, kv_lens, renamed, cu_q_lens, distribution)), **options)
+        cache = np.array(kv_cache)
+        cache[used] = np.asarray(written)[:len(used)]
         # The reference returns the live requests' rows only; the kernel, all of them.
         rows = np.zeros(queries.shape[:1] + out.shape[1:], out.dtype)
         rows[:out.shape[0]] = np.asarray(out)
-        return rows, np.asarray(cache)
+        return rows, cache
 
     def kernel(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                distribution, *sinks, sm_scale=1.0, sliding_window=None, soft_cap=None,
