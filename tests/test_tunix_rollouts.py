@@ -18,6 +18,8 @@ import pytest
 
 from tpu_models.harness import preloaded
 
+pytestmark = pytest.mark.e2e  # vLLM engines, in processes of their own
+
 ROOT = Path(__file__).parents[1]
 RUNS = {"tp1": ("tests.tunix_rollouts_run", ),
         "tp1 lora slots": ("tests.tunix_rollouts_run", "--lora", "slots"),
