@@ -53,8 +53,7 @@ def test_both_architectures_through_the_rpa_backend_match_transformers(demo_serv
               "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(32 << 20),
               "--served-model-name", "tiny")
     adapters = adapters_for(qwen3, tmp_path / "adapters")
-    # The reference compiles its operations anew for each context length it meets.
-    examples = held_out(4, novel=True)
+    examples = held_out(8, novel=True)
     plain = chat_answers(demo_server, examples, [False] * len(examples))
     servers = {
         "qwen3": Server(qwen3, *common, "--enable-lora", "--max-loras", "3", "--max-lora-rank",
