@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,6 +50,7 @@ def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(want[1]))
 
 
+@pytest.mark.e2e
 def test_an_in_process_engine_exits_without_a_traceback():
     """vllm.LLM in-process walked the runner's (flax) model as a torch module
     when the engine was collected: every such run ended in an AttributeError

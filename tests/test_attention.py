@@ -290,9 +290,10 @@ def test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches():
             args["block_tables"], args["cu_q_lens"], distribution, **options)
         where = f"trial {trial}: {requests}, heads {num_heads}/{kv_heads}x{head_dim}, " \
                 f"window {window}, cap {soft_cap}, fp8 {fp8}"
-        if trial < 4:  # a batch a config (each compiles the reference's operations again)
+        if trial < 2:  # fp32 and fp8 caches, windows, a soft cap
             # TPU_MODELS_ATTENTION=rpa-reference: the reference given the live pages only,
-            # called from a jitted step: the same arithmetic, so the same bits.
+            # called from a jitted step: the same arithmetic, so the same bits. (Each
+            # call compiles the reference's operations again: two batches.)
             hosted_out, hosted_cache = _by_reference(
                 args["q"], args["k"], args["v"], args["kv_cache"], args["seq_lens"],
                 args["block_tables"], args["cu_q_lens"], distribution, **options)
