@@ -158,9 +158,10 @@ def check_models(models: Path, env: dict, logs: Path, timeout: float, in_paralle
     names = [n for n in ("qwen3-structural", "gemma3") if (models / n).is_dir()]
     if not names:
         raise CannotRun(f"no checkpoints in {models}")
+
     def check(server: Served) -> tuple[float, list[list[int]]]:
         ready = server.wait_ready(timeout)
-        # All prompts at once, as a server is used: a quarter of the steps of one by one.
+        # All prompts at once, as a server is used: batched steps instead of one prompt's.
         prompts = expected[server.name]["prompts"]
         with ThreadPoolExecutor(len(prompts)) as pool:
             return ready, list(pool.map(lambda p: server.greedy(p, expected["tokens"]), prompts))
