@@ -26,31 +26,39 @@ def by_reference(reference):
     import jax.numpy as jnp
     import numpy as np
 
-    def on_host(options, queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
-                distribution):
-        # The reference writes each request's pages back with a scatter into the whole
-        # cache, eagerly: a copy of the cache per request and layer. It is given the
-        # pages the live requests read instead (gathered, page numbers renamed, their
-        # count padded to a power of two so the scatters compile a few shapes), and
-        # they are put back after. Nothing else is read or written.
+    programs = {}
+
+    def one_request(q_len: int, kv_len: int, options: dict):
+        """The reference on a batch of one request of these lengths, jitted. Run eagerly
+        it compiles a dozen small programs for each (q_len, kv_len) it meets and copies
+        the whole cache at each write: one program per pair, on the request's own pages,
+        compiles in a fraction of the time. XLA fuses its operations: the outputs move
+        by a few float32 ulps (tests/test_attention.py), the cache not at all."""
+        key = (q_len, kv_len, tuple(sorted(options.items())))
+        if key not in programs:
+            lengths = [np.array(a, np.int32) for a in ([kv_len], [0, q_len], [0, 0, 1])]
+
+            def run(q, k, v, pages):
+                return reference(q, k, v, pages, lengths[0], np.arange(pages.shape[0],
+                                 dtype=np.int32), *lengths[1:], **options)
+            programs[key] = jax.jit(run)
+        return programs[key]
+
+    def on_host(options, out_dtype, queries, keys, values, kv_cache, kv_lens, page_indices,
+                cu_q_lens, distribution):
+        # Each live request in turn, in the reference's order, on a batch of its own:
+        # its pages gathered, attended, written back before the next one reads.
         pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
         page_size = kv_cache.shape[1]
-        spans = [slice(i * pages_per_seq, i * pages_per_seq + -(-int(kv_lens[i]) // page_size))
-                 for i in range(int(distribution[-1]))]
-        used = np.unique(np.concatenate([page_indices[s] for s in spans] + [np.zeros(0, np.int32)]))
-        pages = np.zeros((1 << max(len(used) - 1, 0).bit_length(),) + kv_cache.shape[1:],
-                         kv_cache.dtype)
-        pages[:len(used)] = kv_cache[used]
-        renamed = np.zeros_like(page_indices)
-        for s in spans:
-            renamed[s] = np.searchsorted(used, page_indices[s])
-        out, written = reference(*(jnp.asarray(a) for a in (
-            queries, keys, values, pages, kv_lens, renamed, cu_q_lens, distribution)), **options)
         cache = np.array(kv_cache)
-        cache[used] = np.asarray(written)[:len(used)]
-        # The reference returns the live requests' rows only; the kernel, all of them.
-        rows = np.zeros(queries.shape[:1] + out.shape[1:], out.dtype)
-        rows[:out.shape[0]] = np.asarray(out)
+        rows = np.zeros(queries.shape, out_dtype)  # the reference returns the live rows only
+        for i in range(int(distribution[-1])):
+            start, end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
+            pages = page_indices[i * pages_per_seq:][:-(-kv_len // page_size)]
+            out, written = one_request(end - start, kv_len, options)(
+                queries[start:end], keys[start:end], values[start:end], cache[pages])
+            cache[pages] = np.asarray(written)
+            rows[start:end] = np.asarray(out)
         return rows, cache
 
     def kernel(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
@@ -68,7 +76,7 @@ def by_reference(reference):
         shapes = (jax.ShapeDtypeStruct(queries.shape, out_dtype),
                   jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
         return jax.pure_callback(
-            lambda *a: on_host(options, *a), shapes, queries, keys, values, kv_cache,
+            lambda *a: on_host(options, out_dtype, *a), shapes, queries, keys, values, kv_cache,
             kv_lens, page_indices, cu_q_lens, distribution)
 
     return kernel
