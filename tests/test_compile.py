@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tpu_models.harness import preloaded
 from tpu_models.server.serve import DEFAULT_MODEL
 from tests.conftest import tpu_compile_env
 
@@ -28,16 +29,19 @@ SMALL = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tok
 
 
 def compile_(tmp_path, *args, env=None) -> tuple[int, dict | None, str]:
-    """`tpu-models compile ARGS --json`: (exit status, report, output)."""
-    out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
-    # compile sets the platform; in-process CPU tests leave MIN_TOKEN_BUCKET=1 behind.
+    """`tpu-models compile ARGS --json`: (exit status, report, output), forked from the
+    interpreter that imported vLLM (harness/preloaded.py) as a server is."""
+    run = len(list(tmp_path.glob("report-*.log")))
+    out, log = tmp_path / f"report-{run}.json", tmp_path / f"report-{run}.log"
+    # compile sets the platform and the slice; in-process CPU tests leave
+    # MIN_TOKEN_BUCKET=1 behind.
     environment = tpu_compile_env({k: v for k, v in os.environ.items() if k not in
-                                   ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "MIN_TOKEN_BUCKET")})
-    done = subprocess.run([sys.executable, "-m", "tpu_models.server.cli", "compile", *args,
-                           "--json", str(out)], capture_output=True, text=True, timeout=600,
-                          env={**environment, **(env or {})})
+                                   ("TPU_ACCELERATOR_TYPE", "MIN_TOKEN_BUCKET")})
+    done = preloaded.python_module("tpu_models.server.cli", ["compile", *args, "--json", str(out)],
+                                   env={**environment, **(env or {})}, log=log)
+    status = done.wait(timeout=600)
     report = json.loads(out.read_text()) if out.exists() else None
-    return done.returncode, report, done.stdout + done.stderr
+    return status, report, log.read_text()
 
 
 def config(model: Path) -> dict:
