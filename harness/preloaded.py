@@ -53,21 +53,34 @@ def python_module(module: str, args: list[str], env: dict, log, cwd=None):
     """`python -m MODULE ARGS` (a test's script that runs an engine in a process
     of its own), writing to `log`: forked where it can be, else started afresh.
     A subprocess.Popen or its surface (`Forked`)."""
+    return _python(["-m", module], args, env, log, cwd)
+
+
+def python_code(code: str, args: list[str], env: dict, log, cwd=None):
+    """`python -c CODE ARGS`, as python_module."""
+    return _python(["-c", code], args, env, log, cwd)
+
+
+def _python(how: list[str], args, env, log, cwd):
     if not forks(env):
         with open(log, "w") as out:
-            return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=cwd,
+            return subprocess.Popen([sys.executable, *how, *args], env=env, cwd=cwd,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return _fork(_run_module, (module, args, env, str(log), cwd), module)
+    return _fork(_run, (how, args, env, str(log), cwd), f"python {how[0]}")
 
 
-def _run_module(module, args, env, log, cwd) -> None:
+def _run(how, args, env, log, cwd) -> None:
     import runpy
     _become(env, log, cwd)
     if cwd is not None:
-        sys.path.insert(0, str(cwd))  # as `python -m` run there
-    sys.argv = [module, *args]
+        sys.path.insert(0, str(cwd))  # as `python` run there
+    kind, what = how
+    sys.argv = [what if kind == "-m" else "-c", *args]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if kind == "-m":
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        else:
+            exec(compile(what, "<string>", "exec"), {"__name__": "__main__"})
     finally:
         atexit._run_exitfuncs()
 

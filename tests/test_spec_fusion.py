@@ -3,13 +3,12 @@ the text of plain decoding, from the fused program, not tpu-inference's calls.""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tpu_models.harness import preloaded
 from tests.test_spec_decode import chat_answers
 from tpu_models.benchmarks.demo_sets import held_out
 
@@ -31,16 +30,22 @@ print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in out],
 """
 
 
-def test_fused_eagle3_steps_give_the_text_of_plain_decoding(demo_server):
+def result_of(script: str, requests: str, log: Path):
+    """SCRIPT's RESULT line: the script run as `python -c SCRIPT REQUESTS` with its
+    engine in its own process (forked from the interpreter that imported vLLM)."""
+    done = preloaded.python_code(script, [requests], log=log, cwd=Path(__file__).parents[1],
+                                 env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    status, output = done.wait(600), log.read_text()
+    assert status == 0, output[-3000:]
+    line = next(ln for ln in output.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_fused_eagle3_steps_give_the_text_of_plain_decoding(demo_server, tmp_path):
     examples = held_out(REQUESTS, novel=True)
     plain = chat_answers(demo_server, examples, [False] * REQUESTS)
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps([e["request"] for e in examples])],
-        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
-    result = json.loads(line.removeprefix("RESULT "))
+    result = result_of(SCRIPT, json.dumps([e["request"] for e in examples]),
+                       tmp_path / "engine.log")
     assert result["texts"] == plain
     steps = result["steps"]
     # Every step of an EAGLE-3 engine is eligible here: all fused, our draft inputs
@@ -104,7 +109,7 @@ print("RESULT " + json.dumps(gaps))
 """
 
 
-def test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows():
+def test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows(tmp_path):
     """adapt.speculative._first_pass_on_rows writes every token's keys and values into
     the draft's cache but finishes the layer on each request's last row only. Against
     tpu-inference's pass over every row, run beside it on the same inputs at every
@@ -116,13 +121,7 @@ def test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows():
     from tpu_models.benchmarks.demo_sets import free_held_out
 
     requests = json.dumps([e["request"] for e in free_held_out()[:6]])
-    run = subprocess.run(
-        [sys.executable, "-c", FIRST_PASS, requests], cwd=Path(__file__).parents[1],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
-    gaps = json.loads(line.removeprefix("RESULT "))
+    gaps = result_of(FIRST_PASS, requests, tmp_path / "engine.log")
     assert len(gaps) > 20  # every speculative step drafts
     bound = 768 * np.finfo(np.float32).eps
     for out, out_scale, residual, residual_scale, cache, cache_scale in gaps:

@@ -13,8 +13,10 @@ repository (whose folders would otherwise shadow the installed package):
 The install is uv's, pinned to the versions of the dev environment (.venv): a
 cache hit, hardlinked from uv's cache (3-7 s for 10 GB). It compiles no
 bytecode (`--compile-bytecode` over all of it costs ~100 s on a 2-core host);
-the servers write what they import, as on a first run. XLA's compile cache is
-vLLM's default (~/.cache/vllm/xla_cache), shared with the suite's servers.
+the servers write what they import, as on a first run. XLA's compile cache and
+flags are the suite's (tests/conftest.py): the servers read back what the suite's
+demo servers of the same configurations compiled, and leave nothing in the user's
+cache (~/.cache/vllm).
 """
 
 import configparser
@@ -109,6 +111,12 @@ def user_env(venv: Path, **extra) -> dict:
     return env
 
 
+def server_env(venv: Path, **extra) -> dict:
+    """user_env, with the suite's compilation cache and XLA flags (see above)."""
+    return user_env(venv, **extra, **{k: os.environ[k] for k in ("VLLM_XLA_CACHE_PATH",
+                                                                 "XLA_FLAGS")})
+
+
 @pytest.fixture(scope="module")
 def venv(workdir, wheel) -> Path:
     uv = find_uv()
@@ -199,11 +207,13 @@ def servers(venv, workdir):
     bin_ = venv / "bin"
     default_model = site_packages(venv) / "tpu_models" / "server" / "default_model"
     assert (default_model / "model.safetensors").is_file()
-    plain_env = user_env(venv, MODEL_IMPL_TYPE="flax_nnx")
+    plain_env = server_env(venv, MODEL_IMPL_TYPE="flax_nnx")
     specs = {
         "demo": Server(None, *SERVE_ARGS, command=[*chdir, str(bin_ / "tpu-models"), "serve"],
                        log=workdir / "demo.log"),
-        "eagle3": Server(None, *SERVE_ARGS, "--speculative", "eagle3",
+        # As tests/test_spec_decode.py's EAGLE-3 server: the same programs.
+        "eagle3": Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
+                         str(64 << 20), "--speculative", "eagle3",
                          command=[*chdir, str(bin_ / "tpu-models"), "serve"],
                          log=workdir / "eagle3.log"),
         "plain": Server(default_model, *SERVE_ARGS, "--dtype", "float32",
@@ -214,7 +224,7 @@ def servers(venv, workdir):
     }
     for name, server in specs.items():
         # Server adds this process's environment (the suite's settings): a user's instead.
-        server.env = plain_env if name == "plain" else user_env(venv)
+        server.env = plain_env if name == "plain" else server_env(venv)
     started = time.monotonic()
     with launched(specs):
         yield specs
