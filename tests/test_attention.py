@@ -245,6 +245,7 @@ def test_fp8_cache_round_trip_with_scales():
         np.testing.assert_allclose(out[rows], want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # the interpreted Pallas kernel and the eager reference, 28 batches
 def test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches():
     """28 random ragged batches (decodes first, as vLLM orders them, then prefills
     with and without context), windows, soft caps, fp32 and fp8 caches, head sizes 64,

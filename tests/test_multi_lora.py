@@ -295,6 +295,7 @@ def edit_config(adapter, **fields):
     path.write_text(json.dumps(json.loads(path.read_text()) | fields))
 
 
+@pytest.mark.slow  # a process of its own, three tensor-parallel sizes
 def test_adapters_shard_like_their_base_weights(tmp_path):
     """TP 1, 2 and 4 (fake CPU devices): each request's logits equal peft's merge of
     its adapter, and each slot buffer is split along its base kernel's split axes."""

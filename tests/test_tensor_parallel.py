@@ -28,6 +28,7 @@ def run_worker(args: list[str], log: Path) -> None:
     assert worker.wait(900) == 0, log.read_text()[-4000:]
 
 
+@pytest.mark.slow  # a process of its own, three tensor-parallel sizes
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_greedy_tokens_equal_across_tensor_parallel_sizes(model, tmp_path):
     directory = MODELS[model](tmp_path / model)
