@@ -250,7 +250,8 @@ def test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches():
     """28 random ragged batches (decodes first, as vLLM orders them, then prefills
     with and without context), windows, soft caps, fp32 and fp8 caches, head sizes 64,
     128 and 256: the portable kernel's outputs equal those of tpu-inference's RPA v3
-    Pallas kernel (interpreted) and of its reference, and all three write the same
+    Pallas kernel (interpreted) and of its reference, and so do TPU_MODELS_ATTENTION=
+    rpa-reference's (the reference a request at a time, jitted); all write the same
     cache."""
     from tpu_models.adapt import rpa_interpret
     rpa_interpret.enable()
