@@ -1,4 +1,5 @@
-"""`tpu-models serve` forked from an interpreter that has imported vLLM already.
+"""`tpu-models serve` (and plain `vllm serve`) forked from an interpreter that has
+imported vLLM already.
 
 A server spends 12-15 s of a core importing vLLM's stack before it logs a line;
 the suite starts about sixty. The tests (not the benchmarks, whose start-up
@@ -44,8 +45,11 @@ def _fork(target, args: tuple, name: str) -> "Forked":
     return Forked(process)
 
 
-def launch(argv: list[str], env: dict, log: str, cwd=None) -> "Forked":
-    """`tpu-models serve ARGV` (argv after `serve`) forked, writing to `log`."""
+def launch(argv: list[str], env: dict, log: str, cwd=None, plain_vllm=False) -> "Forked":
+    """`tpu-models serve ARGV` (argv after `serve`) forked, writing to `log`; with
+    `plain_vllm`, `vllm serve ARGV`."""
+    if plain_vllm:
+        return _fork(_vllm_serve, (argv, env, str(log), cwd), "vllm serve")
     return _fork(_serve, (argv, env, str(log), cwd), "tpu-models serve")
 
 
@@ -112,6 +116,19 @@ def _serve(argv, env, log, cwd) -> None:
         main()
     finally:
         atexit._run_exitfuncs()  # a process's exit runs them; multiprocessing's does not
+
+
+def _vllm_serve(argv, env, log, cwd) -> None:
+    """vLLM's own command line, as the `vllm` script runs it: it loads our plugin
+    through its entry point, as a fresh process does (the preloaded imports load no
+    plugin and register no architecture)."""
+    _become(env, log, cwd)
+    sys.argv = ["vllm", "serve", *argv]
+    from vllm.entrypoints.cli.main import main
+    try:
+        main()
+    finally:
+        atexit._run_exitfuncs()
 
 
 class Forked:

@@ -20,6 +20,8 @@ STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minute
 # ready (tpu_models/adapt/compilation.py): its log says when they are all done.
 BACKGROUND = "compile in the background"
 SETTLED = "all token buckets compiled"
+# Plain vLLM's command line in this environment.
+PLAIN_VLLM = [str(Path(sys.executable).parent / "vllm"), "serve"]
 
 
 @contextlib.contextmanager
@@ -55,7 +57,10 @@ class Server(ServeProcess):
         if api_key:
             args = (*args, "--api-key", api_key)
         self.argv = [*([str(model)] if model else []), "--port", str(self.port), *args]
-        self.forkable = command is None  # `tpu-models serve` itself (harness/preloaded.py)
+        # `tpu-models serve` and this environment's plain `vllm serve` are forked
+        # where they can be (harness/preloaded.py); any other command runs as given.
+        self.fork_as = {None: "tpu-models", tuple(PLAIN_VLLM): "vllm"}.get(
+            tuple(command) if command else None)
         base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
         self.command = [*base, *self.argv]
         # vLLM posts usage statistics to its server unless told not to: loopback only here.
@@ -64,9 +69,10 @@ class Server(ServeProcess):
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
-        if self.forkable and preloaded.forks(self.env):
+        if self.fork_as and preloaded.forks(self.env):
             self.started = time.monotonic()
-            self.process = preloaded.launch(self.argv, self.env, self.log_path, self.cwd)
+            self.process = preloaded.launch(self.argv, self.env, self.log_path, self.cwd,
+                                            plain_vllm=self.fork_as == "vllm")
         else:
             super().launch(self.command, self.env, self.cwd)
         return self

@@ -356,7 +356,7 @@ def test_a_qwen3_export_cut_short_is_refused_by_tpu_models_serve_and_vllm_serve(
     object), and with a shard of another size beside its manifest. `tpu-models serve`
     refuses both before vLLM starts, plain `vllm serve` when vLLM pulls its config
     (adapt/object_storage.py), each naming the prefix and the fault."""
-    from tpu_models.harness.serve_process import Server
+    from tpu_models.harness.serve_process import PLAIN_VLLM, Server
     from tpu_models.loaders.export_marker import incomplete_marker, manifest
 
     exported = files(local_export)
@@ -372,12 +372,12 @@ def test_a_qwen3_export_cut_short_is_refused_by_tpu_models_serve_and_vllm_serve(
                short: f"{short}: an incomplete export: {short}/{shard} has "
                       f"{len(exported[shard]) - 1000} bytes, {MANIFEST} lists {len(exported[shard])}"}
     env = {**bucket.env, "VLLM_ASSETS_CACHE": str(tmp_path / "assets")}
-    servers = {(uri, kind): Server(uri, "--max-model-len", "128", log=tmp_path / f"{kind}-{i}.log",
-                                   env=env, command=command)
+    servers = {(uri, kind): Server(uri, "--max-model-len", "128", *args, env=env,
+                                   log=tmp_path / f"{kind}-{i}.log", command=command)
                for i, uri in enumerate(reasons)
-               for kind, command in (("tpu-models", None), ("vllm", [
-                   str(Path(sys.executable).parent / "vllm"), "serve", "--load-format",
-                   "runai_streamer"]))}
+               for kind, command, args in (
+                   ("tpu-models", None, ()),
+                   ("vllm", PLAIN_VLLM, ("--load-format", "runai_streamer")))}
     for server in servers.values():
         server.launch()
     for (uri, kind), server in servers.items():
