@@ -235,10 +235,7 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
     Base and one adapter come from a Tunix LoRA run (`tpu-models export tunix`,
     full and --adapter-only): served, that adapter computes Tunix's own logits.
     Served by plain `MODEL_IMPL_TYPE=flax_nnx vllm serve` (the plugin alone)."""
-    import sys
-    from pathlib import Path
-
-    from tpu_models.harness.serve_process import Server
+    from tpu_models.harness.serve_process import PLAIN_VLLM, Server
     from tests.test_export_tunix import FIXTURES, fixture, hf_config_dir, tunix
 
     meta, tokens = fixture("gemma3")
@@ -254,11 +251,10 @@ def test_six_adapters_on_two_slots_gemma3_one_from_tunix(tmp_path):
     adapters["tunix"] = (None, exported)
     references = {"tiny": Reference(base)} | {
         name: Reference(base, adapter=path) for name, (_, path) in adapters.items()}
-    vllm = [str(Path(sys.executable).parent / "vllm"), "serve"]
     with Server(base, *serve_args(["--max-loras", "2", "--max-cpu-loras", "3",
                                     "--max-lora-rank", "8", "--host", "127.0.0.1",
                                     *lora_modules(adapters)]),
-                command=vllm, env={"MODEL_IMPL_TYPE": "flax_nnx"}, log=tmp_path / "serve.log") as s:
+                command=PLAIN_VLLM, env={"MODEL_IMPL_TYPE": "flax_nnx"}, log=tmp_path / "serve.log") as s:
         check_jobs(s, random_jobs(["tiny", *adapters], references["tiny"].vocab_size, seed=2),
                    references)
         ((_, served), ) = generate_all(s, [("tunix", tokens)], prompt_logprobs=True)

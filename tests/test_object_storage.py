@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tpu_models.harness.serve_process import Server
+from tpu_models.harness.serve_process import PLAIN_VLLM, Server
 from tpu_models.loaders.hf import HfCheckpoint
 from tpu_models.loaders.object_storage import ObjectStorageCheckpoint
 from tpu_models.server.serve import build_command
@@ -177,7 +177,7 @@ def test_plain_vllm_serve_streams_gemma3_from_gs(bucket, server_env, tmp_path):
     with Server(uri, *OPTIONS, "--load-format", "runai_streamer", "--host", "127.0.0.1",
                 "--additional-config", json.dumps({"merge_lora": adapter_uri}),
                 "--speculative-config", spec,
-                command=[str(Path(sys.executable).parent / "vllm"), "serve"],
+                command=PLAIN_VLLM,
                 log=tmp_path / "serve.log",
                 env={**server_env, "MODEL_IMPL_TYPE": "auto"}) as server:
         log = server.output()

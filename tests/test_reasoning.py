@@ -10,7 +10,6 @@ The parser's own logic is tested first, without a server.
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,18 +161,17 @@ def servers(tmp_path_factory):
     """name -> (server, its model): Gemma 3 with `--reasoning-parser tunix` under plain
     `vllm serve`, and Qwen3-structural with qwen3 + hermes under `tpu-models serve`. Each
     launches as soon as its model is trained: Qwen3 trains while Gemma's server imports vLLM."""
-    from tpu_models.harness.serve_process import Server
+    from tpu_models.harness.serve_process import PLAIN_VLLM, Server
     root = tmp_path_factory.mktemp("reasoning")
     common = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20),
               "--served-model-name", "tiny")
-    vllm = [str(Path(sys.executable).parent / "vllm"), "serve"]
     running = {}
     try:
         gemma = trained(emitting.make_gemma3, root / "gemma3", TUNIX)
         running["tunix"] = Server(
             gemma.directory, *common, "--reasoning-parser", "tunix", "--dtype", "float32",
             "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "--host", "127.0.0.1",
-            command=vllm, log=root / "tunix.log").launch()
+            command=PLAIN_VLLM, log=root / "tunix.log").launch()
         qwen3 = trained(emitting.make_qwen3_structural, root / "qwen3", QWEN3, added=QWEN3_TOKENS)
         running["qwen3"] = Server(
             qwen3.directory, *common, "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
