@@ -48,9 +48,8 @@ def _fork(target, args: tuple, name: str) -> "Forked":
 def launch(argv: list[str], env: dict, log: str, cwd=None, plain_vllm=False) -> "Forked":
     """`tpu-models serve ARGV` (argv after `serve`) forked, writing to `log`; with
     `plain_vllm`, `vllm serve ARGV`."""
-    if plain_vllm:
-        return _fork(_vllm_serve, (argv, env, str(log), cwd), "vllm serve")
-    return _fork(_serve, (argv, env, str(log), cwd), "tpu-models serve")
+    name = "vllm serve" if plain_vllm else "tpu-models serve"
+    return _fork(_serve, (argv, env, str(log), cwd, plain_vllm), name)
 
 
 def python_module(module: str, args: list[str], env: dict, log, cwd=None):
@@ -106,29 +105,22 @@ def _become(env, log, cwd) -> None:
         os.chdir(cwd)
 
 
-def _serve(argv, env, log, cwd) -> None:
+def _serve(argv, env, log, cwd, plain_vllm) -> None:
+    """vLLM's own command line, after `tpu-models serve`'s checks and defaults; plain,
+    as the `vllm` script runs it: it loads our plugin through its entry point, as a
+    fresh process does (the preloaded imports load no plugin, register nothing)."""
     _become(env, log, cwd)
-    from tpu_models.server import serve
-    command, _ = serve.prepare(argv)
-    sys.argv = ["vllm", *command[3:]]  # [python, -m, vllm_main, serve, ...]
+    if plain_vllm:
+        sys.argv = ["vllm", "serve", *argv]
+    else:
+        from tpu_models.server import serve
+        command, _ = serve.prepare(argv)
+        sys.argv = ["vllm", *command[3:]]  # [python, -m, vllm_main, serve, ...]
     from vllm.entrypoints.cli.main import main
     try:
         main()
     finally:
         atexit._run_exitfuncs()  # a process's exit runs them; multiprocessing's does not
-
-
-def _vllm_serve(argv, env, log, cwd) -> None:
-    """vLLM's own command line, as the `vllm` script runs it: it loads our plugin
-    through its entry point, as a fresh process does (the preloaded imports load no
-    plugin and register no architecture)."""
-    _become(env, log, cwd)
-    sys.argv = ["vllm", "serve", *argv]
-    from vllm.entrypoints.cli.main import main
-    try:
-        main()
-    finally:
-        atexit._run_exitfuncs()
 
 
 class Forked:

@@ -59,8 +59,8 @@ class Server(ServeProcess):
         self.argv = [*([str(model)] if model else []), "--port", str(self.port), *args]
         # `tpu-models serve` and this environment's plain `vllm serve` are forked
         # where they can be (harness/preloaded.py); any other command runs as given.
-        self.fork_as = {None: "tpu-models", tuple(PLAIN_VLLM): "vllm"}.get(
-            tuple(command) if command else None)
+        self.fork_as = ("tpu-models" if command is None else
+                        "vllm" if command == PLAIN_VLLM else None)
         base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
         self.command = [*base, *self.argv]
         # vLLM posts usage statistics to its server unless told not to: loopback only here.

@@ -26,26 +26,26 @@ def by_reference(reference):
     import jax.numpy as jnp
     import numpy as np
 
-    programs = {}
+    programs = {}  # options -> (q_len, kv_len) -> program
 
-    def one_request(q_len: int, kv_len: int, options: dict):
+    def one_request(q_len: int, kv_len: int, options: dict, compiled: dict):
         """The reference on a batch of one request of these lengths, jitted. Run eagerly
         it compiles a dozen small programs for each (q_len, kv_len) it meets and copies
         the whole cache at each write: one program per pair, on the request's own pages,
         compiles in a fraction of the time. XLA fuses its operations: the outputs move
         by a few float32 ulps (tests/test_attention.py), the cache not at all."""
-        key = (q_len, kv_len, tuple(sorted(options.items())))
-        if key not in programs:
-            lengths = [np.array(a, np.int32) for a in ([kv_len], [0, q_len], [0, 0, 1])]
+        if (q_len, kv_len) not in compiled:
+            lens, cu_lens = np.array([kv_len], np.int32), np.array([0, q_len], np.int32)
+            one = np.array([0, 0, 1], np.int32)  # distribution: one live request
 
             def run(q, k, v, pages):
-                return reference(q, k, v, pages, lengths[0], np.arange(pages.shape[0],
-                                 dtype=np.int32), *lengths[1:], **options)
-            programs[key] = jax.jit(run)
-        return programs[key]
+                indices = np.arange(pages.shape[0], dtype=np.int32)
+                return reference(q, k, v, pages, lens, indices, cu_lens, one, **options)
+            compiled[q_len, kv_len] = jax.jit(run)
+        return compiled[q_len, kv_len]
 
-    def on_host(options, out_dtype, queries, keys, values, kv_cache, kv_lens, page_indices,
-                cu_q_lens, distribution):
+    def on_host(options, compiled, out_dtype, queries, keys, values, kv_cache, kv_lens,
+                page_indices, cu_q_lens, distribution):
         # Each live request in turn, in the reference's order, on a batch of its own:
         # its pages gathered, attended, written back before the next one reads.
         pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
@@ -55,7 +55,7 @@ def by_reference(reference):
         for i in range(int(distribution[-1])):
             start, end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
             pages = page_indices[i * pages_per_seq:][:-(-kv_len // page_size)]
-            out, written = one_request(end - start, kv_len, options)(
+            out, written = one_request(end - start, kv_len, options, compiled)(
                 queries[start:end], keys[start:end], values[start:end], cache[pages])
             cache[pages] = np.asarray(written)
             rows[start:end] = np.asarray(out)
@@ -73,11 +73,12 @@ def by_reference(reference):
         if not use_causal_mask:
             options["use_causal_mask"] = False
         out_dtype = jnp.float32 if queries.dtype == jnp.float32 else jnp.bfloat16
+        compiled = programs.setdefault(tuple(sorted(options.items())), {})  # once a trace
         shapes = (jax.ShapeDtypeStruct(queries.shape, out_dtype),
                   jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
         return jax.pure_callback(
-            lambda *a: on_host(options, out_dtype, *a), shapes, queries, keys, values, kv_cache,
-            kv_lens, page_indices, cu_q_lens, distribution)
+            lambda *a: on_host(options, compiled, out_dtype, *a), shapes, queries, keys, values,
+            kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
 
     return kernel
 
