@@ -243,8 +243,10 @@ def test_tunix_reasoning_and_answer(servers, stream):
         assert got.token_ids == reply, (name, got)  # transformers' greedy, EOS included
         assert (got.reasoning, got.content, got.finish_reason) == expected, (name, got)
         assert got.tool_calls == []
-        if stream:  # token by token; each tag is several tokens, held back until complete
-            assert got.pieces >= len(got.reasoning.split()), got
+        # Streamed in pieces; how many depends on load, as vLLM merges the deltas a
+        # client has not read yet (token by token: test_frontend_streams_token_by_token_*).
+        if stream:
+            assert got.pieces > 1, got
 
 
 @pytest.mark.e2e

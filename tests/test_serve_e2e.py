@@ -28,15 +28,17 @@ def server(qwen3_structural, tmp_path_factory):
         yield s
 
 
-def complete_all(server, prompts, max_tokens=MAX_TOKENS):
-    """Sends every prompt at once; returns generated token ids per prompt."""
+def complete_all(server, prompts, max_tokens=MAX_TOKENS, params=None):
+    """Sends every prompt at once (prompt i with sampling parameters params[i]);
+    returns generated token ids per prompt."""
 
     async def run():
         client = server.async_client()
         responses = await asyncio.gather(*[
             client.completions.create(
                 model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True}) for p in prompts])
+                extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+            for p, extra in zip(prompts, params or [{}] * len(prompts))])
         return [r.choices[0].token_ids for r in responses]
 
     return asyncio.run(run())

@@ -17,6 +17,7 @@ from tpu_models.benchmarks import demo_quality, serving
 from tpu_models.benchmarks.demo_sets import held_out
 from tpu_models.harness.serve_process import Server, launched
 from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
+from tests.test_sampler import PENALTIES, decisive_greedy
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_eagle3_draft, make_gemma3
 
@@ -70,9 +71,9 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
             assert got == plain, method
             assert accepted_draft_tokens(speculative) > 0, method
             # Drafts are verified with the batch's key: a seed would not reproduce; nor
-            # does the rejection sampler know the penalties or bad words.
-            for name, value in {"seed": 1, "repetition_penalty": 1.2, "presence_penalty": 0.5,
-                                "frequency_penalty": 0.5, "bad_words": ["Bob"]}.items():
+            # are allowed ids or min_tokens applied in verification.
+            for name, value in {"seed": 1, "allowed_token_ids": [1, 2],
+                                "min_tokens": 2}.items():
                 refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
                     "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "temperature": 1,
                     name: value})
@@ -119,13 +120,22 @@ def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
     propose = int(np.bincount(np.concatenate(expected)).argmax())
     draft = make_eagle3_draft(model, tmp_path / "draft", aux_layers=(0, 1, 3), propose=propose)
     spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    # Penalties beside drafts: each draft position is verified with the drafts before
+    # it counted, so the replies are plain decoding's with the same penalties.
+    penalized = [PENALTIES[name] for name in PENALTIES] * 2
+    want_penalized = [decisive_greedy(reference, p, 24, **params)
+                      for p, params in zip(prompts, penalized)]
     with Server(model, "--dtype", "float32", "--max-model-len", "512",
                 "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
                 "--speculative-config", spec, log=tmp_path / "serve.log") as s:
         got = complete_all(s, prompts, max_tokens=24)
-        assert accepted_draft_tokens(s) > 0
+        accepted = accepted_draft_tokens(s)
+        assert accepted > 0
+        got_penalized = complete_all(s, prompts[:len(penalized)], 24, penalized)
+        assert accepted_draft_tokens(s) > accepted
     for prompt, ids, want in zip(prompts, got, expected):
         assert ids == want, f"prompt of {len(prompt)} tokens"
+    assert got_penalized == want_penalized
 
 
 def test_the_eagle3_draft_computes_in_the_served_dtype():

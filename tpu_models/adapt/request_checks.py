@@ -21,11 +21,11 @@ IGNORED = {
     "logprob_token_ids": lambda v: v is not None,
     "thinking_token_budget": lambda v: v is not None,
 }
-# Drafts are verified by tpu-inference's rejection sampler, which knows none of them
-# (vLLM itself refuses min_p and logit_bias beside drafts): a penalty there would
-# need each draft position to see the drafts accepted before it (docs/serving.md).
-NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "bad_words")
+# Drafts are verified by tpu-inference's rejection sampler (vLLM itself refuses min_p
+# and logit_bias beside drafts). Penalties and bad words are applied there
+# (adapt.sampling.verify_extended); a seed would not reproduce (drafts are verified
+# with the batch's key), and allowed ids and min_tokens are not applied there.
+NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens")
 
 
 def refuse_what_is_ignored(params) -> None:
@@ -197,8 +197,7 @@ PATCHES = [
     Patch("sampler additions refused beside drafts", SAMPLER_EXTRAS, (
         Target("vllm.sampling_params.SamplingParams._validate_spec_decode",
                "self speculative_config"), ),
-        "the rejection sampler would verify drafts without seed, allowed ids, min_tokens, "
-        "penalties or bad words",
+        "the rejection sampler would verify drafts without seed, allowed ids or min_tokens",
         "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
         not_beside_drafts),
     Patch("bad words longer than the ids kept refused", SAMPLER_EXTRAS, (

@@ -19,7 +19,8 @@ import functools
 
 from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch, Target, rebind
 from tpu_models.adapt.token_counts import (
-    ANY_TOKEN, NO_TOKEN, RECENT, ban_bad_words, bucket, penalize, token_counts)
+    ANY_TOKEN, NO_TOKEN, RECENT, ban_bad_words, bucket, penalize, record, token_counts,
+    with_drafts)
 
 MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
 
@@ -35,7 +36,7 @@ def metadata_class():
                      "seeded", "seed_low", "seed_high", "position", "bias_ids", "bias",
                      "allowed_ids", "restricted", "slot", "kept", "repetition", "frequency",
                      "presence", "bad_last", "bad_prefix"],
-        meta_fields=["do_sampling", "logprobs"])
+        meta_fields=["do_sampling", "logprobs", "drafts"])
     @dataclasses.dataclass
     class ExtendedMetadata(TPUSupportedSamplingMetadata):
         min_p: object = None  # (rows,) f32, 0 for none
@@ -55,6 +56,9 @@ def metadata_class():
         presence: object = None  # (rows,) f32, 0 for none
         bad_last: object = None  # (rows, words) i32: a bad word's last id, vocab if unused
         bad_prefix: object = None  # (rows, words, RECENT) i32: the ids before it, right-aligned
+        # Beside drafts, with penalties or bad words: the drafts a request may have. Its
+        # bonus token is then drawn in verification, which knows them (verify_extended).
+        drafts: int = 0
 
     return ExtendedMetadata
 
@@ -76,32 +80,50 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
 
     logits = jax.lax.with_sharding_constraint(
         logits.astype(jnp.float32), NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None)))
-    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
-    allowed = jnp.zeros(logits.shape, bool).at[rows, metadata.allowed_ids].set(True, mode="drop")
-    logits = jnp.where(metadata.restricted[:, None] & ~allowed, -jnp.inf, logits)
     penalized = counts is not None
+    seen = own = None
     if penalized:
         own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
-        logits = ban_bad_words(logits, rows, own, metadata)
-    logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
-    if penalized:
-        logits = penalize(logits, counts.at[metadata.slot].get(mode="fill", fill_value=0),
-                           metadata)
-    greedy = jnp.argmax(logits, axis=-1)
-    if metadata.do_sampling:
-        tokens, processed = _draw(rng, logits, greedy, metadata)
-    else:  # a batch of greedy requests: nothing to draw, no vocabulary-wide sort
-        tokens, processed = greedy, logits
+        seen = counts.at[metadata.slot].get(mode="fill", fill_value=0)
+    tokens, processed = _sample_rows(rng, adjusted(logits, metadata, seen, own), metadata)
     tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
     if not penalized:
         return tokens, processed
-    # The slot of a row without one (or a discarded mid-prefill token) is out of range:
-    # its update is dropped.
-    slot = jnp.where(metadata.kept, metadata.slot, counts.shape[0])
-    counts = counts.at[slot, tokens].add(1, mode="drop")
-    shifted = jnp.concatenate([own[:, 1:], tokens[:, None].astype(own.dtype)], axis=1)
-    recent = recent.at[slot].set(shifted, mode="drop")
+    counts, recent = record(counts, recent, _kept_slot(metadata, counts), own, tokens[:, None],
+                            jnp.ones_like(tokens))
     return tokens, processed, counts, recent
+
+
+def _kept_slot(metadata, counts):
+    """Each row's slot; out of range (its update dropped) for a row without one or a
+    token sampled mid-prefill, which is discarded."""
+    import jax.numpy as jnp
+    return jnp.where(metadata.kept, metadata.slot, counts.shape[0])
+
+
+def adjusted(logits, metadata, seen=None, own=None):
+    """The logits after allowed ids, bad words, min_tokens and logit_bias, and the
+    penalties, in vLLM's order; `seen` and `own` are each row's TokenCounts row and
+    recent ids (None in a batch without penalties or bad words)."""
+    import jax.numpy as jnp
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
+    allowed = jnp.zeros(logits.shape, bool).at[rows, metadata.allowed_ids].set(True, mode="drop")
+    logits = jnp.where(metadata.restricted[:, None] & ~allowed, -jnp.inf, logits)
+    if seen is not None:
+        logits = ban_bad_words(logits, rows, own, metadata)
+    logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
+    if seen is not None:
+        logits = penalize(logits, seen, metadata)
+    return logits
+
+
+def _sample_rows(rng, logits, metadata):
+    """(tokens, processed logits) from adjusted logits."""
+    import jax.numpy as jnp
+    greedy = jnp.argmax(logits, axis=-1)
+    if metadata.do_sampling:
+        return _draw(rng, logits, greedy, metadata)
+    return greedy, logits  # a batch of greedy requests: nothing to draw, no vocabulary-wide sort
 
 
 def _draw(rng, logits, greedy, metadata):
@@ -134,6 +156,90 @@ def _draw(rng, logits, greedy, metadata):
     drawn = jax.vmap(jax.random.categorical)(keys, processed)
     return (jnp.where(is_greedy, greedy, drawn),
             jnp.where(is_greedy[:, None], logits, processed))
+
+
+# Per-row fields of ExtendedMetadata (all but the dummy).
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeded", "seed_low", "seed_high",
+               "position", "bias_ids", "bias", "allowed_ids", "restricted", "slot", "kept",
+               "repetition", "frequency", "presence", "bad_last", "bad_prefix")
+
+
+def verify_extended(draft_ids, num_draft, target_logits, bonus_logits, metadata, bonus_rng,
+                    key, counts, recent, ranks: int):
+    """tpu-inference's rejection sampler (rejection_sample, on each data-parallel
+    rank's block of rows as its shard_map lays them) on logits adjusted as vLLM's
+    does beside drafts (v1/sample/rejection_sampler.py): a request's draft position
+    j sees its counts and recent ids with its drafts before j, its bonus token all of
+    its drafts. `ranks`: the data-parallel blocks rows are laid out in. Returns
+    upstream's output (each rank's [tokens] then [rows]) and TokenCounts' arrays with
+    the accepted tokens added."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.layers.jax.sample import rejection_sampler as upstream
+
+    vocab, k = counts.shape[1], metadata.drafts
+    own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
+    seen = counts.at[metadata.slot].get(mode="fill", fill_value=0)
+
+    def by_rank(a):
+        return None if a is None else a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
+
+    rows = dataclasses.replace(metadata, _cache_collision_dummy=None,
+                               **{f: by_rank(getattr(metadata, f)) for f in _ROW_FIELDS})
+
+    def rank(draft_ids, num_draft, target, bonus, meta, seen, own, key, bonus_key):
+        tokens = draft_ids.shape[0]
+        segment, before = upstream._get_segment_info(num_draft, tokens)
+        start = jnp.cumsum(num_draft) - num_draft
+        at = jnp.minimum(start[:, None] + jnp.arange(k), tokens - 1)
+        drafted = jnp.arange(k) < num_draft[:, None]
+        drafts = jnp.where(drafted, draft_ids[at], vocab)
+        per_token = dataclasses.replace(meta, **{f: None if getattr(meta, f) is None else
+                                                 getattr(meta, f)[segment] for f in _ROW_FIELDS})
+        target = adjusted(target.astype(jnp.float32), per_token,
+                          *with_drafts(seen[segment], own[segment], drafts[segment], before))
+        bonus = adjusted(bonus.astype(jnp.float32), meta,
+                         *with_drafts(seen, own, drafts, num_draft))
+        bonus_ids, _ = _sample_rows(bonus_key, bonus, meta)
+        probs = upstream._compute_probs(target, num_draft, meta) if meta.do_sampling else target
+        out = upstream.rejection_sample(draft_ids, num_draft, None, probs, bonus_ids,
+                                        meta.do_sampling, key=key)
+        # The accepted ids in order: a prefix of the drafts' positions, then the bonus.
+        main = jnp.where(drafted, out[at], upstream.PLACEHOLDER_TOKEN_ID)
+        n_main = jnp.sum((main >= 0) & (main < vocab), axis=1)
+        bonus_out = out[tokens:]
+        bonus_ok = (bonus_out >= 0) & (bonus_out < vocab)
+        main = jnp.concatenate([main, jnp.full_like(main[:, :1], vocab)], axis=1)
+        slots = jnp.arange(k + 1)
+        accepted = jnp.where(slots < n_main[:, None], main,
+                             jnp.where(slots == n_main[:, None], bonus_out[:, None], vocab))
+        return out, accepted, n_main + bonus_ok
+
+    keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(ranks))
+    bonus_keys = jax.vmap(lambda r: jax.random.fold_in(bonus_rng, r))(jnp.arange(ranks))
+    out, accepted, n = jax.vmap(rank)(
+        by_rank(draft_ids), by_rank(num_draft), by_rank(target_logits), by_rank(bonus_logits),
+        rows, by_rank(seen), by_rank(own), keys, bonus_keys)
+    rows_total = metadata.slot.shape[0]
+    counts, recent = record(counts, recent, _kept_slot(metadata, counts), own,
+                            accepted.reshape(rows_total, k + 1), n.reshape(rows_total))
+    return out.reshape(-1), counts, recent
+
+
+def _data_ranks(mesh) -> int:
+    """The blocks tpu-inference lays rows out in: its data-parallel sharding's size."""
+    import math
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    axes = ShardingAxisName.ATTN_DATA
+    return math.prod(mesh.shape.get(a, 1) for a in ((axes, ) if isinstance(axes, str) else axes))
+
+
+class _DrawnInVerification:
+    """The bonus token ids a penalized step beside drafts hands the rejection sampler,
+    which draws them (verify_extended)."""
+
+    def __repr__(self):
+        return "<bonus token ids: drawn in verification (tpu_models.adapt.sampling)>"
 
 
 # What we add to the sampler: SamplingParams field -> whether a request asks for it.
@@ -172,7 +278,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
     step = getattr(input_batch, "_tpu_models_step", None)
     if not _WANTING or step is None:
         return metadata
-    num_scheduled, requests = step
+    num_scheduled, requests, drafts = step
     _WANTING.intersection_update(requests)
     ids = input_batch.req_ids
     per_rank = padded_num_reqs // len(req_indices_dp)
@@ -256,7 +362,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
         bias_ids=put(bias_ids), bias=put(bias), allowed_ids=put(allowed_ids),
         restricted=put(restricted),
         **({} if not counted else dict(
-            slot=put(slot), kept=put(kept), repetition=put(repetition),
+            drafts=drafts, slot=put(slot), kept=put(kept), repetition=put(repetition),
             frequency=put(frequency), presence=put(presence), bad_last=put(bad_last),
             bad_prefix=put(bad_prefix))))
 
@@ -264,6 +370,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
 def extras_sampled() -> None:
     import jax
     from tpu_inference.layers.jax.sample import sampling
+    from tpu_inference.layers.jax.sample.rejection_sampler import RejectionSampler
     from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
     from tpu_inference.runner.input_batch import InputBatch
     from tpu_inference.runner.tpu_runner import TPUModelRunner
@@ -272,8 +379,10 @@ def extras_sampled() -> None:
 
     def _prepare_inputs(self, scheduler_output):
         # from_input_batch sees only the batch: lend it the requests and this step's sizes.
+        spec = self.speculative_config
         self.input_batch._tpu_models_step = (scheduler_output.num_scheduled_tokens,
-                                             self.requests)
+                                             self.requests,
+                                             spec.num_speculative_tokens if spec else 0)
         return original_prepare(self, scheduler_output)
 
     TPUModelRunner._prepare_inputs = _prepare_inputs
@@ -311,6 +420,11 @@ def extras_sampled() -> None:
 
     def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
         if isinstance(tpu_sampling_metadata, metadata_class()):
+            if tpu_sampling_metadata.slot is not None and tpu_sampling_metadata.drafts:
+                # The bonus token: its counts include the drafts, which the rejection
+                # sampler is handed next (the same metadata object).
+                tpu_sampling_metadata._tpu_models_bonus = (rng, logits)
+                return _DrawnInVerification(), logits
             if tpu_sampling_metadata.slot is not None:
                 counts = token_counts()
                 tokens, processed, counts.counts, counts.recent = counting(
@@ -331,6 +445,26 @@ def extras_sampled() -> None:
     # The precompiler builds plain metadata only, and lowers what has a `lower`.
     sample.lower, sample.__wrapped__ = original_sample.lower, traced
     rebind("tpu_inference.layers.jax.sample.sampling", "sample", sample)
+
+    original_reject = RejectionSampler.__call__
+    verifying = jax.jit(verify_extended, static_argnames=["ranks"],
+                        donate_argnames=("counts", "recent"))
+
+    def __call__(self, draft_token_ids, num_draft_tokens, draft_probs, target_logits,
+                 bonus_token_ids, sampling_metadata, key=None):
+        deferred = getattr(sampling_metadata, "_tpu_models_bonus", None)
+        if deferred is None:
+            return original_reject(self, draft_token_ids, num_draft_tokens, draft_probs,
+                                   target_logits, bonus_token_ids, sampling_metadata, key)
+        del sampling_metadata._tpu_models_bonus
+        bonus_rng, bonus_logits = deferred
+        counts = token_counts()
+        out, counts.counts, counts.recent = verifying(
+            draft_token_ids, num_draft_tokens, target_logits, bonus_logits, sampling_metadata,
+            bonus_rng, key, counts.counts, counts.recent, ranks=_data_ranks(self.mesh))
+        return out
+
+    RejectionSampler.__call__ = __call__
 
 
 class _AskingForLogprobs:
@@ -365,6 +499,7 @@ def logprobs_zero_served() -> None:
 
 
 METADATA = "tpu_inference.layers.jax.sample.sampling_metadata.TPUSupportedSamplingMetadata"
+REJECTION = "tpu_inference.layers.jax.sample.rejection_sampler"
 PATCHES = [
     Patch("logprobs=0 served", LOGPROBS_ZERO, (
         Target(f"{METADATA}.from_input_batch",
@@ -372,7 +507,8 @@ PATCHES = [
         "logprobs=0 (chat's logprobs: true) answered 500 'list index out of range'",
         "tests/test_sampling_params.py::test_logprobs_zero_gives_the_sampled_tokens_logprob",
         logprobs_zero_served, upstream="tpu-inference issue 3572 (fix PR closed unmerged)"),
-    Patch("min_p, seeds, logit_bias, allowed ids, min_tokens sampled", SAMPLER_EXTRAS, (
+    Patch("min_p, seeds, logit_bias, allowed ids, min_tokens, penalties and bad words "
+          "sampled (drafts verified with the penalties and bad words)", SAMPLER_EXTRAS, (
         Target("tpu_inference.runner.tpu_runner.TPUModelRunner._prepare_inputs",
                "self scheduler_output"),
         Target("tpu_inference.runner.input_batch.InputBatch.add_request",
@@ -382,8 +518,15 @@ PATCHES = [
         Target("tpu_inference.layers.jax.sample.sampling.sample",
                "rng mesh logits tpu_sampling_metadata allow_distributed_sampling"),
         Target("tpu_inference.layers.jax.sample.sampling._apply_sampling_transforms",
-               "logits tpu_sampling_metadata")),
-        "ignored (allowed_token_ids killed the engine); a seed answered 500",
+               "logits tpu_sampling_metadata"),
+        Target(f"{REJECTION}.RejectionSampler.__call__", "self draft_token_ids num_draft_tokens "
+               "draft_probs target_logits bonus_token_ids sampling_metadata key"),
+        Target(f"{REJECTION}.rejection_sample", "draft_token_ids num_draft_tokens draft_probs "
+               "target_probs bonus_token_ids do_sampling key"),
+        Target(f"{REJECTION}._compute_probs", "logits num_draft_tokens sampling_metadata"),
+        Target(f"{REJECTION}._get_segment_info", "num_draft_tokens total_tokens")),
+        "ignored (allowed_token_ids killed the engine); a seed answered 500; penalties and "
+        "bad words are not in its sampler or rejection sampler",
         "tests/test_sampler.py::test_seeded_replies_repeat_and_differ_by_seed",
         extras_sampled, upstream="tpu-inference sampler: temperature, top-k, top-p only"),
 ]

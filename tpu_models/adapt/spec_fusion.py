@@ -104,7 +104,7 @@ def _compiled():
 
 def eligible(runner, a: dict) -> bool:
     """The steps `verify_and_draft` covers: EAGLE-3 on one data-parallel rank, no
-    logprobs of either kind, compiling allowed at run time. Not on a multi-chip TPU:
+    logprobs of either kind, no penalties or bad words, compiling allowed at run time. Not on a multi-chip TPU:
     there upstream's sampler and draft jits carry collective options (xla_tpu_*,
     one against a v7x deadlock) that this one program would not."""
     from tpu_inference import envs
@@ -119,6 +119,8 @@ def eligible(runner, a: dict) -> bool:
             and isinstance(runner.drafter, Eagle3Proposer) and runner.dp_size == 1
             and runner.is_last_rank and isinstance(sampling, TPUSupportedSamplingMetadata)
             and not sampling.logprobs and a["full_logits"] is None
+            # Penalties or bad words: verified with the device's counts (adapt.sampling).
+            and getattr(sampling, "slot", None) is None
             and a["input_ids"] is not None and len(a["aux_hidden_states"] or ()) > 0
             and hasattr(tpu_runner.sample, "__wrapped__")
             and (host_platform() is not None or runner.mesh.size == 1)

@@ -43,6 +43,32 @@ def penalize(logits, counts, metadata):
             - metadata.presence[:, None] * (output > 0))
 
 
+def with_drafts(seen, own, drafts, before):
+    """Rows of counts and recent ids as they stand after the first `before` of a
+    request's `drafts` (ids past its own drafts: the vocabulary size): what draft
+    position `before` is verified against (vLLM, rejection_sampler.py
+    _combine_outputs_with_spec_tokens)."""
+    import jax.numpy as jnp
+    k = drafts.shape[1]
+    before = jnp.minimum(before, k)[:, None]
+    rows = jnp.arange(seen.shape[0], dtype=jnp.int32)[:, None]
+    counted = jnp.where(jnp.arange(k) < before, drafts, seen.shape[1])
+    seen = seen.at[rows, counted].add(1, mode="drop")
+    ids = jnp.concatenate([own, drafts.astype(own.dtype)], axis=1)
+    return seen, jnp.take_along_axis(ids, before + jnp.arange(RECENT), axis=1)
+
+
+def record(counts, recent, slot, own, tokens, n):
+    """TokenCounts' arrays with each row's first `n` `tokens` added to its slot
+    (`slot` out of range: nothing added); `own` is its recent ids before them."""
+    import jax.numpy as jnp
+    added = jnp.where(jnp.arange(tokens.shape[1]) < n[:, None], tokens, counts.shape[1])
+    counts = counts.at[slot[:, None], added].add(1, mode="drop")
+    ids = jnp.concatenate([own, tokens.astype(own.dtype)], axis=1)
+    last = jnp.take_along_axis(ids, n[:, None] + jnp.arange(RECENT), axis=1)
+    return counts, recent.at[slot].set(last, mode="drop")
+
+
 class TokenCounts:
     """What each request has seen, on the device: a row of `vocab` int32 counts (its
     output tokens, IN_PROMPT added for a prompt token) and its last RECENT output ids.
