@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", type=Path, default=MODELS,
                    help="checkpoints and expected.json (default: the shipped ones)")
     p.add_argument("--timeout", type=float, default=300,
-                   help="seconds a server may take to become ready (default 300)")
+                   help="seconds a server may take to become ready, and its replies "
+                        "(default 300)")
     p.add_argument("--keep-logs", type=Path, metavar="DIR",
                    help="write the servers' logs here (default: a temporary directory, "
                         "kept and named on failure)")
@@ -123,13 +124,13 @@ class Served(ServeProcess):
             time.sleep(0.5)
         raise CannotRun(f"{self.name}: not ready after {timeout:.0f} s; log: {self.log_path}")
 
-    def greedy(self, prompt: list[int], tokens: int) -> list[int]:
+    def greedy(self, prompt: list[int], tokens: int, timeout: float) -> list[int]:
         body = {"model": "doctor", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         request = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=120) as r:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
                 return json.loads(r.read())["choices"][0]["token_ids"]
         except (urllib.error.URLError, OSError, KeyError) as e:
             raise CannotRun(f"{self.name}: a request failed ({e}); log: {self.log_path}") from None
@@ -164,7 +165,8 @@ def check_models(models: Path, env: dict, logs: Path, timeout: float, in_paralle
         # All prompts at once, as a server is used: batched steps instead of one prompt's.
         prompts = expected[server.name]["prompts"]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            return ready, list(pool.map(lambda p: server.greedy(p, expected["tokens"]), prompts))
+            return ready, list(pool.map(
+                lambda p: server.greedy(p, expected["tokens"], timeout), prompts))
 
     problems = []
     batches = [names] if in_parallel else [[n] for n in names]

@@ -72,7 +72,7 @@ class _Shipped:
     def wait_ready(self, timeout):
         return 0.0
 
-    def greedy(self, prompt, tokens):
+    def greedy(self, prompt, tokens, timeout):
         return self.want["greedy"][self.want["prompts"].index(prompt)][:tokens]
 
     def stop(self):
