@@ -10,6 +10,9 @@ The variants:
   penalized  repetition, frequency and presence penalties (the device's token counts)
 
     tpu-models bench penalties [--shape qwen3-0.6b | --model DIR] [--concurrency 16]
+
+Beside drafts (--server-args "--speculative-config ..."), vLLM refuses logit_bias:
+pass --variants plain,penalized.
 """
 
 import argparse
@@ -41,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, help="per run (default: 2 waves, at least 8)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", type=lambda t: t.split(","), default=list(VARIANTS),
+                   help=f"a subset of {','.join(VARIANTS)} (plain is the reference)")
     p.add_argument("--out", default="bench-penalties.json")
     return p
 
@@ -57,30 +62,31 @@ def measure(args) -> dict:
         from tpu_models.harness.random_checkpoints import random_checkpoint
         model = str(random_checkpoint(args.shape, work / args.shape))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    runs = {variant: [] for variant in VARIANTS}
+    variants = {v: VARIANTS[v] for v in VARIANTS if v in args.variants or v == "plain"}
+    runs = {variant: [] for variant in variants}
     with Server(model, "--served-model-name", "bench", "--dtype", args.dtype,
                 "--max-model-len", str(args.input_len + args.output_len + 16),
                 *shlex.split(args.server_args), log=work / "serve.log") as server:
         for concurrency in args.concurrency:
             num = args.num_prompts or max(8, 2 * concurrency)
             # One run of each first: the extended sampler compiles for the batch sizes.
-            for variant, sampling in VARIANTS.items():
+            for variant, sampling in variants.items():
                 serving.sweep(server.url, "bench", vocab_size=vocab, input_len=args.input_len,
-                              output_len=4, num_prompts=concurrency, warmup=0,
+                              output_len=args.output_len, num_prompts=concurrency, warmup=0,
                               concurrencies=[concurrency], avoid_tokens={0, 1}, seed=99,
                               sampling=sampling)
             for r in range(args.rounds):
-                order = list(VARIANTS)
+                order = list(variants)
                 order = order[r % len(order):] + order[:r % len(order)]
                 for variant in order:
                     runs[variant] += serving.sweep(
                         server.url, "bench", vocab_size=vocab, input_len=args.input_len,
                         output_len=args.output_len, num_prompts=num, warmup=0,
                         concurrencies=[concurrency], avoid_tokens={0, 1}, seed=r,
-                        sampling=VARIANTS[variant])
+                        sampling=variants[variant])
     rows = []
     for concurrency in args.concurrency:
-        of = {v: [row for row in runs[v] if row["concurrency"] == concurrency] for v in VARIANTS}
+        of = {v: [row for row in runs[v] if row["concurrency"] == concurrency] for v in variants}
         row = {"concurrency": concurrency, "failed": sum(r["failed"] for v in of for r in of[v])}
         for variant, mine in of.items():
             row[f"{variant}_tok_s"] = statistics.median(r["output_throughput"] for r in mine)
@@ -90,7 +96,7 @@ def measure(args) -> dict:
         rows.append(row)
     return {"benchmark": "penalties", "model": args.model or args.shape, "dtype": args.dtype,
             "server_args": args.server_args, "rounds": args.rounds, "input_len": args.input_len,
-            "output_len": args.output_len, "variants": VARIANTS, "logs": str(work), "rows": rows}
+            "output_len": args.output_len, "variants": variants, "logs": str(work), "rows": rows}
 
 
 def report(result: dict) -> None:
@@ -99,13 +105,13 @@ def report(result: dict) -> None:
     table = Table(title=f"{result['model']} ({result['dtype']}): {result['input_len']} in / "
                         f"{result['output_len']} out, medians of {result['rounds']} rotated rounds")
     table.add_column("conc", justify="right")
-    for variant in VARIANTS:
+    for variant in result["variants"]:
         table.add_column(f"{variant} tok/s (x plain)", justify="right")
         table.add_column(f"{variant} TPOT ms", justify="right")
     table.add_column("failed", justify="right")
     for r in result["rows"]:
         cells = [str(r["concurrency"])]
-        for variant in VARIANTS:
+        for variant in result["variants"]:
             cells += [f"{r[f'{variant}_tok_s']:.1f} ({r[f'{variant}_ratio']:.3f})",
                       f"{r[f'{variant}_tpot_ms']:.2f}"]
         table.add_row(*cells, str(r["failed"]))
@@ -115,6 +121,8 @@ def report(result: dict) -> None:
 def main(argv=None) -> None:
     from tpu_models.benchmarks import serving
     args = parser().parse_args(argv)
+    if unknown := set(args.variants) - set(VARIANTS):
+        parser().error(f"--variants: no variant {', '.join(sorted(unknown))}")
     result = measure(args)
     report(result)
     serving.write_json(Path(args.out), result)

@@ -111,7 +111,7 @@ def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
     names, beside its hybrid KV cache (local, global and draft layers share one
     page pool). The draft always proposes the token the target emits most, so
     some drafts are accepted and some rejected; either way the tokens must be
-    transformers' greedy ones."""
+    transformers' greedy ones, and with penalties the definition's over its logits."""
     model = make_gemma3(tmp_path / "target", sliding_window=16)
     reference = Reference(model)
     rng = np.random.default_rng(5)
@@ -120,8 +120,7 @@ def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
     propose = int(np.bincount(np.concatenate(expected)).argmax())
     draft = make_eagle3_draft(model, tmp_path / "draft", aux_layers=(0, 1, 3), propose=propose)
     spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
-    # Penalties beside drafts: each draft position is verified with the drafts before
-    # it counted, so the replies are plain decoding's with the same penalties.
+    # Each draft position is verified with the drafts before it counted.
     penalized = [PENALTIES[name] for name in PENALTIES] * 2
     want_penalized = [decisive_greedy(reference, p, 24, **params)
                       for p, params in zip(prompts, penalized)]

@@ -1,4 +1,4 @@
-"""Drafts verified with penalties and bad words (adapt.sampling.verify_extended),
+"""Drafts verified with penalties and bad words (adapt.sampler_programs.verify_extended),
 against vLLM's own definitions beside drafts: its rejection sampler's outputs
 combined with the drafts before each position (_combine_outputs_with_spec_tokens),
 apply_all_penalties and apply_bad_words_with_drafts, over random logits. A draft is
@@ -66,7 +66,7 @@ def test_drafts_are_verified_with_the_counts_of_the_drafts_before_them(ranks, sa
     from jax.sharding import Mesh
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    from tpu_models.adapt import sampling
+    from tpu_models.adapt import sampler_programs, sampling
     from tpu_models.adapt.token_counts import ANY_TOKEN, IN_PROMPT, NO_TOKEN, RECENT, TokenCounts
 
     rng = np.random.default_rng(7 + ranks + 2 * sampled)
@@ -153,7 +153,8 @@ def test_drafts_are_verified_with_the_counts_of_the_drafts_before_them(ranks, sa
         repetition=per_row("repetition", 1.0), frequency=per_row("frequency", 0.0),
         presence=per_row("presence", 0.0), bad_last=jnp.array(words),
         bad_prefix=jnp.array(prefix), drafts=K)
-    out, new_counts, new_recent = jax.jit(sampling.verify_extended, static_argnames=["ranks"])(
+    out, new_counts, new_recent = jax.jit(sampler_programs.verify_extended,
+                                                 static_argnames=["ranks"])(
         jnp.array(draft_ids), jnp.array(num_draft), jnp.array(target), jnp.array(bonus),
         metadata, jax.random.key(1), jax.random.key(2), counts.counts, counts.recent,
         ranks=ranks)

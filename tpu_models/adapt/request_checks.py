@@ -23,7 +23,7 @@ IGNORED = {
 }
 # Drafts are verified by tpu-inference's rejection sampler (vLLM itself refuses min_p
 # and logit_bias beside drafts). Penalties and bad words are applied there
-# (adapt.sampling.verify_extended); a seed would not reproduce (drafts are verified
+# (adapt.sampler_programs.verify_extended); a seed would not reproduce (drafts are verified
 # with the batch's key), and allowed ids and min_tokens are not applied there.
 NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens")
 

@@ -3,7 +3,7 @@ the device, and the definitions that read it.
 
 Under tpu-inference's asynchronous scheduling the host learns a step's tokens a
 step late, so the counts live on the device and the sampling program that draws
-the tokens adds them (adapt.sampling.sample_extended).
+the tokens adds them (adapt.sampler_programs.sample_extended).
 """
 
 import functools

@@ -1,0 +1,182 @@
+"""The extended sampler's device programs (adapt.sampling installs them):
+`sample_extended` for a step's rows, `verify_extended` for drafts. vLLM's
+definitions in vLLM's order, tpu-inference's own masks and rejection sampler
+around them."""
+
+import dataclasses
+
+from tpu_models.adapt.token_counts import (
+    NO_TOKEN, ban_bad_words, penalize, record, with_drafts)
+
+MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
+
+
+def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
+    """vLLM's order (v1/sample/sampler.py): allowed ids, bad words, min_tokens and
+    logit_bias, then the penalties, on the logits (greedy rows too); then temperature,
+    min_p, top-k, top-p (tpu-inference's own masks), and one categorical draw per row.
+    A seeded row draws with key(seed) folded with the token's position, so its reply
+    depends on its seed alone, not on the batch.
+
+    With `counts` and `recent` (TokenCounts' arrays) it also returns them updated
+    with the tokens it kept."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+
+    logits = jax.lax.with_sharding_constraint(
+        logits.astype(jnp.float32), NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None)))
+    penalized = counts is not None
+    seen = own = None
+    if penalized:
+        own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
+        seen = counts.at[metadata.slot].get(mode="fill", fill_value=0)
+    tokens, processed = _sample_rows(rng, adjusted(logits, metadata, seen, own), metadata)
+    tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
+    if not penalized:
+        return tokens, processed
+    counts, recent = record(counts, recent, _kept_slot(metadata, counts), own, tokens[:, None],
+                            jnp.ones_like(tokens))
+    return tokens, processed, counts, recent
+
+
+def _kept_slot(metadata, counts):
+    """Each row's slot; out of range (its update dropped) for a row without one or a
+    token sampled mid-prefill, which is discarded."""
+    import jax.numpy as jnp
+    return jnp.where(metadata.kept, metadata.slot, counts.shape[0])
+
+
+def adjusted(logits, metadata, seen=None, own=None):
+    """The logits after allowed ids, bad words, min_tokens and logit_bias, and the
+    penalties, in vLLM's order; `seen` and `own` are each row's TokenCounts row and
+    recent ids (None in a batch without penalties or bad words)."""
+    import jax.numpy as jnp
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
+    allowed = jnp.zeros(logits.shape, bool).at[rows, metadata.allowed_ids].set(True, mode="drop")
+    logits = jnp.where(metadata.restricted[:, None] & ~allowed, -jnp.inf, logits)
+    if seen is not None:
+        logits = ban_bad_words(logits, rows, own, metadata)
+    logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
+    if seen is not None:
+        logits = penalize(logits, seen, metadata)
+    return logits
+
+
+def _sample_rows(rng, logits, metadata):
+    """(tokens, processed logits) from adjusted logits."""
+    import jax.numpy as jnp
+    greedy = jnp.argmax(logits, axis=-1)
+    if metadata.do_sampling:
+        return _draw(rng, logits, greedy, metadata)
+    return greedy, logits  # a batch of greedy requests: nothing to draw, no vocabulary-wide sort
+
+
+def _draw(rng, logits, greedy, metadata):
+    """Temperature, min_p, top-k, top-p (tpu-inference's own masks), one categorical
+    draw per row: (tokens, processed logits), greedy rows keeping their argmax."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.layers.jax.sample import sampling
+
+    is_greedy = metadata.temperature < sampling._SAMPLING_EPS
+    scaled = logits / jnp.where(is_greedy, 1.0, metadata.temperature)[:, None]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    kept = probs >= metadata.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    scaled = jnp.where(kept, scaled, MASKED)
+    top_k_top_p = dataclasses.replace(metadata, temperature=jnp.ones_like(metadata.temperature))
+    processed = sampling._apply_sampling_transforms(scaled, top_k_top_p)
+
+    impl = jax.random.key_impl(rng)
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)
+
+    def row_key(seeded, low, high, position, row):
+        own = jax.random.fold_in(jax.random.fold_in(jax.random.key(low, impl=impl), high),
+                                 position)
+        return jnp.where(seeded, jax.random.key_data(own),
+                         jax.random.key_data(jax.random.fold_in(rng, row)))
+
+    keys = jax.random.wrap_key_data(
+        jax.vmap(row_key)(metadata.seeded, metadata.seed_low, metadata.seed_high,
+                          metadata.position, rows), impl=impl)
+    drawn = jax.vmap(jax.random.categorical)(keys, processed)
+    return (jnp.where(is_greedy, greedy, drawn),
+            jnp.where(is_greedy[:, None], logits, processed))
+
+
+# Per-row fields of ExtendedMetadata (all but the dummy).
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeded", "seed_low", "seed_high",
+               "position", "bias_ids", "bias", "allowed_ids", "restricted", "slot", "kept",
+               "repetition", "frequency", "presence", "bad_last", "bad_prefix")
+
+
+def verify_extended(draft_ids, num_draft, target_logits, bonus_logits, metadata, bonus_rng,
+                    key, counts, recent, ranks: int):
+    """tpu-inference's rejection sampler (rejection_sample, on each data-parallel
+    rank's block of rows as its shard_map lays them) on logits adjusted as vLLM's
+    does beside drafts (v1/sample/rejection_sampler.py): a request's draft position
+    j sees its counts and recent ids with its drafts before j, its bonus token all of
+    its drafts. `ranks`: the data-parallel blocks rows are laid out in. Returns
+    upstream's output (each rank's [tokens] then [rows]) and TokenCounts' arrays with
+    the accepted tokens added."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.layers.jax.sample import rejection_sampler as upstream
+
+    vocab, k = counts.shape[1], metadata.drafts
+    own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
+    seen = counts.at[metadata.slot].get(mode="fill", fill_value=0)
+
+    def by_rank(a):
+        return None if a is None else a.reshape(ranks, a.shape[0] // ranks, *a.shape[1:])
+
+    rows = dataclasses.replace(metadata, _cache_collision_dummy=None,
+                               **{f: by_rank(getattr(metadata, f)) for f in _ROW_FIELDS})
+
+    def rank(draft_ids, num_draft, target, bonus, meta, seen, own, key, bonus_key):
+        tokens = draft_ids.shape[0]
+        segment, before = upstream._get_segment_info(num_draft, tokens)
+        start = jnp.cumsum(num_draft) - num_draft
+        at = jnp.minimum(start[:, None] + jnp.arange(k), tokens - 1)
+        drafted = jnp.arange(k) < num_draft[:, None]
+        drafts = jnp.where(drafted, draft_ids[at], vocab)
+        per_token = dataclasses.replace(meta, **{f: None if getattr(meta, f) is None else
+                                                 getattr(meta, f)[segment] for f in _ROW_FIELDS})
+        target = adjusted(target.astype(jnp.float32), per_token,
+                          *with_drafts(seen[segment], own[segment], drafts[segment], before))
+        bonus = adjusted(bonus.astype(jnp.float32), meta,
+                         *with_drafts(seen, own, drafts, num_draft))
+        bonus_ids, _ = _sample_rows(bonus_key, bonus, meta)
+        probs = upstream._compute_probs(target, num_draft, meta) if meta.do_sampling else target
+        out = upstream.rejection_sample(draft_ids, num_draft, None, probs, bonus_ids,
+                                        meta.do_sampling, key=key)
+        # The accepted ids in order: a prefix of the drafts' positions, then the bonus.
+        main = jnp.where(drafted, out[at], upstream.PLACEHOLDER_TOKEN_ID)
+        n_main = jnp.sum((main >= 0) & (main < vocab), axis=1)
+        bonus_out = out[tokens:]
+        bonus_ok = (bonus_out >= 0) & (bonus_out < vocab)
+        main = jnp.concatenate([main, jnp.full_like(main[:, :1], vocab)], axis=1)
+        slots = jnp.arange(k + 1)
+        accepted = jnp.where(slots < n_main[:, None], main,
+                             jnp.where(slots == n_main[:, None], bonus_out[:, None], vocab))
+        return out, accepted, n_main + bonus_ok
+
+    keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(ranks))
+    bonus_keys = jax.vmap(lambda r: jax.random.fold_in(bonus_rng, r))(jnp.arange(ranks))
+    out, accepted, n = jax.vmap(rank)(
+        by_rank(draft_ids), by_rank(num_draft), by_rank(target_logits), by_rank(bonus_logits),
+        rows, by_rank(seen), by_rank(own), keys, bonus_keys)
+    rows_total = metadata.slot.shape[0]
+    counts, recent = record(counts, recent, _kept_slot(metadata, counts), own,
+                            accepted.reshape(rows_total, k + 1), n.reshape(rows_total))
+    return out.reshape(-1), counts, recent
+
+
+def data_ranks(mesh) -> int:
+    """The blocks tpu-inference lays rows out in: its data-parallel sharding's size."""
+    import math
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    axes = ShardingAxisName.ATTN_DATA
+    return math.prod(mesh.shape.get(a, 1) for a in ((axes, ) if isinstance(axes, str) else axes))
