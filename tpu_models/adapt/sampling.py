@@ -351,8 +351,8 @@ PATCHES = [
                "target_probs bonus_token_ids do_sampling key"),
         Target(f"{REJECTION}._compute_probs", "logits num_draft_tokens sampling_metadata"),
         Target(f"{REJECTION}._get_segment_info", "num_draft_tokens total_tokens")),
-        "ignored (allowed_token_ids killed the engine); a seed answered 500; penalties and "
-        "bad words are not in its sampler or rejection sampler",
+        "ignored (allowed_token_ids killed the engine); a seed answered 500; no penalties, "
+        "bad words",
         "tests/test_sampler.py::test_seeded_replies_repeat_and_differ_by_seed",
         extras_sampled, upstream="tpu-inference sampler: temperature, top-k, top-p only"),
 ]
