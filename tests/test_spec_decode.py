@@ -79,6 +79,12 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
                     name: value})
                 assert refused.status_code == 400, (name, refused.text)
                 assert refused.json()["error"]["param"] == name, refused.text
+            # Applied beside drafts, the penalties still come without logprobs.
+            refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
+                "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "logprobs": 1,
+                "repetition_penalty": 1.2})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "logprobs", refused.text
         # Every EAGLE-3 draft position must draft well, not just the first (a
         # pass reading another request's row or position would still be
         # lossless); bench spec measures 2.7 of 3 on these requests.

@@ -14,7 +14,7 @@ import dataclasses
 
 from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS, Patch, Target
 # What adapt.sampling adds to the sampler: refused only where it could not be installed.
-from tpu_models.adapt.sampling import ADDED, RECENT
+from tpu_models.adapt.sampling import ADDED, COUNTED, RECENT
 
 # SamplingParams field -> whether a value asks for something the sampler ignores.
 IGNORED = {
@@ -23,8 +23,8 @@ IGNORED = {
 }
 # Drafts are verified by tpu-inference's rejection sampler (vLLM itself refuses min_p
 # and logit_bias beside drafts). Penalties and bad words are applied there
-# (adapt.sampler_programs.verify_extended); a seed would not reproduce (drafts are verified
-# with the batch's key), and allowed ids and min_tokens are not applied there.
+# (adapt.sampler_programs.verify_extended); a seed would not reproduce (drafts are
+# verified with the batch's key), and allowed ids and min_tokens are not applied there.
 NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens")
 
 
@@ -168,11 +168,19 @@ def not_beside_drafts() -> None:
 
     def _validate_spec_decode(self, speculative_config):
         original(self, speculative_config)  # vLLM's: min_p, logit_bias
-        for name in NOT_WITH_DRAFTS if speculative_config is not None else ():
+        if speculative_config is None:
+            return
+        for name in NOT_WITH_DRAFTS:
             if ADDED[name](self):
                 raise VLLMValidationError(
                     f"{name} is not supported with speculative decoding on tpu-inference",
                     parameter=name, value=getattr(self, name))
+        # The logprobs of a penalized request's verified tokens came back out of step
+        # with its tokens (vLLM's response builder raised KeyError: a 500).
+        if self.logprobs is not None and any(ADDED[name](self) for name in COUNTED):
+            raise VLLMValidationError(
+                "logprobs with penalties or bad_words are not supported with speculative "
+                "decoding on tpu-inference", parameter="logprobs", value=self.logprobs)
 
     SamplingParams._validate_spec_decode = _validate_spec_decode
 
@@ -197,7 +205,7 @@ PATCHES = [
     Patch("sampler additions refused beside drafts", SAMPLER_EXTRAS, (
         Target("vllm.sampling_params.SamplingParams._validate_spec_decode",
                "self speculative_config"), ),
-        "the rejection sampler would verify drafts without seed, allowed ids or min_tokens",
+        "drafts were verified without seed, allowed ids or min_tokens; penalized logprobs 500",
         "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
         not_beside_drafts),
     Patch("bad words longer than the ids kept refused", SAMPLER_EXTRAS, (

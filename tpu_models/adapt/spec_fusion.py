@@ -104,9 +104,10 @@ def _compiled():
 
 def eligible(runner, a: dict) -> bool:
     """The steps `verify_and_draft` covers: EAGLE-3 on one data-parallel rank, no
-    logprobs of either kind, no penalties or bad words, compiling allowed at run time. Not on a multi-chip TPU:
-    there upstream's sampler and draft jits carry collective options (xla_tpu_*,
-    one against a v7x deadlock) that this one program would not."""
+    logprobs of either kind, no penalties or bad words, compiling allowed at run
+    time. Not on a multi-chip TPU: there upstream's sampler and draft jits carry
+    collective options (xla_tpu_*, one against a v7x deadlock) that this one program
+    would not."""
     from tpu_inference import envs
     from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
     from tpu_inference.runner import tpu_runner
