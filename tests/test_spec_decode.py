@@ -71,20 +71,16 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
             assert got == plain, method
             assert accepted_draft_tokens(speculative) > 0, method
             # Drafts are verified with the batch's key: a seed would not reproduce; nor
-            # are allowed ids or min_tokens applied in verification.
-            for name, value in {"seed": 1, "allowed_token_ids": [1, 2],
-                                "min_tokens": 2}.items():
+            # are allowed ids or min_tokens applied in verification. The penalties are,
+            # but still without logprobs.
+            for name, fields in {"seed": {"seed": 1}, "allowed_token_ids": {
+                    "allowed_token_ids": [1, 2]}, "min_tokens": {"min_tokens": 2},
+                    "logprobs": {"logprobs": 1, "repetition_penalty": 1.2}}.items():
                 refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
                     "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "temperature": 1,
-                    name: value})
+                    **fields})
                 assert refused.status_code == 400, (name, refused.text)
                 assert refused.json()["error"]["param"] == name, refused.text
-            # Applied beside drafts, the penalties still come without logprobs.
-            refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
-                "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "logprobs": 1,
-                "repetition_penalty": 1.2})
-            assert refused.status_code == 400, refused.text
-            assert refused.json()["error"]["param"] == "logprobs", refused.text
         # Every EAGLE-3 draft position must draft well, not just the first (a
         # pass reading another request's row or position would still be
         # lossless); bench spec measures 2.7 of 3 on these requests.

@@ -246,12 +246,12 @@ def extras_sampled() -> None:
 
     def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
         if isinstance(tpu_sampling_metadata, metadata_class()):
-            if tpu_sampling_metadata.slot is not None and tpu_sampling_metadata.drafts:
-                # The bonus token: its counts include the drafts, which the rejection
-                # sampler is handed next (the same metadata object).
-                tpu_sampling_metadata._tpu_models_bonus = (rng, logits)
-                return _DrawnInVerification(), logits
             if tpu_sampling_metadata.slot is not None:
+                if tpu_sampling_metadata.drafts:
+                    # The bonus token: its counts include the drafts, which the
+                    # rejection sampler is handed next (the same metadata object).
+                    tpu_sampling_metadata._tpu_models_bonus = (rng, logits)
+                    return _DrawnInVerification(), logits
                 counts = token_counts()
                 tokens, processed, counts.counts, counts.recent = counting(
                     rng, mesh, logits, tpu_sampling_metadata, counts.counts, counts.recent)
