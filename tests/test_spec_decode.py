@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import requests
+import torch
 
 from tpu_models.benchmarks import demo_quality, serving
 from tpu_models.benchmarks.demo_sets import held_out
@@ -71,11 +72,9 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
             assert got == plain, method
             assert accepted_draft_tokens(speculative) > 0, method
             # Drafts are verified with the batch's key: a seed would not reproduce; nor
-            # are allowed ids or min_tokens applied in verification. The penalties are,
-            # but still without logprobs.
+            # are allowed ids or min_tokens applied in verification (the penalties are).
             for name, fields in {"seed": {"seed": 1}, "allowed_token_ids": {
-                    "allowed_token_ids": [1, 2]}, "min_tokens": {"min_tokens": 2},
-                    "logprobs": {"logprobs": 1, "repetition_penalty": 1.2}}.items():
+                    "allowed_token_ids": [1, 2]}, "min_tokens": {"min_tokens": 2}}.items():
                 refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
                     "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "temperature": 1,
                     **fields})
@@ -99,13 +98,41 @@ def test_ngram_on_gemma3_matches_transformers(tmp_path):
     for n in rng.integers(4, 40, CONCURRENT):
         span = rng.integers(0, reference.vocab_size, n).tolist()
         prompts.append(span * 3)
+    # logprobs beside drafts, penalized or not: the raw logits' log-softmax (vLLM's
+    # default logprobs_mode), the penalties applied to the choice alone.
+    asked = [{"logprobs": 1}] * 4 + [{"logprobs": 1, **PENALTIES[name]} for name in PENALTIES]
     with Server(model, "--dtype", "float32", "--max-model-len", "512",
                 "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
                 "--speculative-config", NGRAM, log=tmp_path / "serve.log") as s:
         got = complete_all(s, prompts, max_tokens=24)
-        assert accepted_draft_tokens(s) > 0
+        accepted = accepted_draft_tokens(s)
+        assert accepted > 0
+        replies = with_logprobs(s, prompts[:len(asked)], 24, asked)
+        assert accepted_draft_tokens(s) > accepted
     for prompt, ids in zip(prompts, got):
         assert ids == reference.greedy(prompt, 24), f"prompt of {len(prompt)} tokens"
+    for prompt, params, (ids, logprobs) in zip(prompts, asked, replies):
+        penalties = {k: v for k, v in params.items() if k != "logprobs"}
+        assert ids == (decisive_greedy(reference, prompt, 24, **penalties) if penalties
+                       else reference.greedy(prompt, 24)), params
+        logits = torch.from_numpy(reference.logits(prompt + ids)[len(prompt) - 1:-1])
+        want = torch.log_softmax(logits, -1)[torch.arange(len(ids)), ids].numpy()
+        # fp32 log-softmax vs transformers fp32: reduction order differs, 1e-4 on O(1) values
+        np.testing.assert_allclose(logprobs, want, atol=1e-4, rtol=0, err_msg=str(params))
+
+
+def with_logprobs(server, prompts, max_tokens, params):
+    """complete_all's requests, returning (token ids, their logprobs) per prompt."""
+
+    async def run():
+        client = server.async_client()
+        return await asyncio.gather(*[client.completions.create(
+            model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+            for p, extra in zip(prompts, params)])
+
+    return [(r.choices[0].token_ids, r.choices[0].logprobs.token_logprobs)
+            for r in asyncio.run(run())]
 
 
 def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):

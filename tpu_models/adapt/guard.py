@@ -82,6 +82,7 @@ SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lam
                           "install tpu-inference==" + WRITTEN_FOR)
 # Refused, these requests get a 400 instead (adapt.sampling).
 LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
+LOGPROBS_WITH_DRAFTS = Feature("logprobs beside speculative drafts", lambda *_: False, "")
 SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids, min_tokens, penalties "
                          "and bad_words",
                          lambda *_: False, "")
@@ -250,5 +251,5 @@ def rebind(module_name: str, name: str, replacement) -> None:
 
 
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP,
+            LOGPROBS_ZERO, LOGPROBS_WITH_DRAFTS, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH, RPA_INTERPRET, STARTUP,
             SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY, TUNIX_ROLLOUTS, LOG)

@@ -12,9 +12,10 @@ that could raise there.
 
 import dataclasses
 
-from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS, Patch, Target
+from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS,
+                                    SAMPLING_CHECKS, Patch, Target)
 # What adapt.sampling adds to the sampler: refused only where it could not be installed.
-from tpu_models.adapt.sampling import ADDED, COUNTED, RECENT
+from tpu_models.adapt.sampling import ADDED, RECENT
 
 # SamplingParams field -> whether a value asks for something the sampler ignores.
 IGNORED = {
@@ -161,6 +162,7 @@ def bad_words_checked() -> None:
 
 
 def not_beside_drafts() -> None:
+    from tpu_models.adapt import guard
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
@@ -175,12 +177,10 @@ def not_beside_drafts() -> None:
                 raise VLLMValidationError(
                     f"{name} is not supported with speculative decoding on tpu-inference",
                     parameter=name, value=getattr(self, name))
-        # The logprobs of a penalized request's verified tokens came back out of step
-        # with its tokens (vLLM's response builder raised KeyError: a 500).
-        if self.logprobs is not None and any(ADDED[name](self) for name in COUNTED):
+        if self.logprobs is not None and LOGPROBS_WITH_DRAFTS.name in guard.refused():
             raise VLLMValidationError(
-                "logprobs with penalties or bad_words are not supported with speculative "
-                "decoding on tpu-inference", parameter="logprobs", value=self.logprobs)
+                "logprobs are not supported with speculative decoding on this tpu-inference",
+                parameter="logprobs", value=self.logprobs)
 
     SamplingParams._validate_spec_decode = _validate_spec_decode
 
@@ -205,7 +205,7 @@ PATCHES = [
     Patch("sampler additions refused beside drafts", SAMPLER_EXTRAS, (
         Target("vllm.sampling_params.SamplingParams._validate_spec_decode",
                "self speculative_config"), ),
-        "drafts were verified without seed, allowed ids or min_tokens; penalized logprobs 500",
+        "drafts were verified without seed, allowed ids or min_tokens",
         "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
         not_beside_drafts),
     Patch("bad words longer than the ids kept refused", SAMPLER_EXTRAS, (

@@ -6,7 +6,7 @@ sets one of ours gets our metadata (`ExtendedMetadata`), which its sample() hand
 to ours (`sample_extended`); other batches keep tpu-inference's metadata and
 compiled sampler, so requests without them run as before. For every model
 tpu-inference runs. logprobs=0 (the sampled token's log-probability, what chat's
-`logprobs: true` asks for) is served.
+`logprobs: true` asks for) is served, and logprobs beside drafts.
 
 Penalties and bad words read what a request has generated, which under
 asynchronous scheduling the host learns a step late: `TokenCounts` keeps it on
@@ -17,7 +17,8 @@ tokens it samples.
 import dataclasses
 import functools
 
-from tpu_models.adapt.guard import LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch, Target, rebind
+from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch,
+                                    Target, rebind)
 from tpu_models.adapt.sampler_programs import data_ranks, sample_extended, verify_extended
 from tpu_models.adapt.token_counts import ANY_TOKEN, RECENT, bucket, token_counts
 
@@ -324,6 +325,35 @@ def logprobs_zero_served() -> None:
     TPUSupportedSamplingMetadata.from_input_batch = classmethod(from_input_batch)
 
 
+def logprobs_beside_drafts() -> None:
+    # A step of a drafting engine is laid out [draft rows, bonus rows] per rank even
+    # when no request drafted; upstream unpicks that layout only when some did, so
+    # the first step's logprobs were read from the draft rows (-1: a 500).
+    import jax
+    import numpy as np
+    from tpu_inference.runner import tpu_runner
+    from tpu_inference.spec_decode.jax.utils import filter_speculative_logprobs
+    from vllm.v1.outputs import LogprobsLists
+
+    original = tpu_runner._jax_logprobs_materialize
+
+    def materialize(logprobs_tensors, logits_indices_selector=None, cu_num_generated_tokens=None,
+                    spec_decode_metadata=None, runner=None, num_reqs=None):
+        if spec_decode_metadata is None or np.sum(spec_decode_metadata.draft_lengths_cpu) > 0:
+            return original(logprobs_tensors, logits_indices_selector, cu_num_generated_tokens,
+                            spec_decode_metadata, runner, num_reqs)
+        ids, logprobs, ranks, cu_num_generated_tokens = filter_speculative_logprobs(
+            *(np.asarray(jax.device_get(a)) for a in (logprobs_tensors.logprob_token_ids,
+              logprobs_tensors.logprobs, logprobs_tensors.selected_token_ranks)),
+            spec_decode_metadata,
+            runner.input_batch.vocab_size, runner.dp_size,
+            runner.input_batch.num_reqs if num_reqs is None else num_reqs)
+        return LogprobsLists(logprob_token_ids=ids, logprobs=logprobs, sampled_token_ranks=ranks,
+                             cu_num_generated_tokens=cu_num_generated_tokens)
+
+    tpu_runner._jax_logprobs_materialize = materialize
+
+
 METADATA = "tpu_inference.layers.jax.sample.sampling_metadata.TPUSupportedSamplingMetadata"
 REJECTION = "tpu_inference.layers.jax.sample.rejection_sampler"
 PATCHES = [
@@ -333,6 +363,14 @@ PATCHES = [
         "logprobs=0 (chat's logprobs: true) answered 500 'list index out of range'",
         "tests/test_sampling_params.py::test_logprobs_zero_gives_the_sampled_tokens_logprob",
         logprobs_zero_served, upstream="tpu-inference issue 3572 (fix PR closed unmerged)"),
+    Patch("logprobs beside drafts served", LOGPROBS_WITH_DRAFTS, (
+        Target("tpu_inference.runner.tpu_runner._jax_logprobs_materialize", "logprobs_tensors "
+               "logits_indices_selector cu_num_generated_tokens spec_decode_metadata runner num_reqs"),
+        Target("tpu_inference.spec_decode.jax.utils.filter_speculative_logprobs", "log_token_ids "
+               "logprobs_arr selected_token_ranks spec_decode_metadata vocab_size dp_size num_reqs")),
+        "a drafting engine's first step read logprobs from its draft rows: 500",
+        "tests/test_spec_decode.py::test_ngram_on_gemma3_matches_transformers",
+        logprobs_beside_drafts),
     Patch("min_p, seeds, logit_bias, allowed ids, min_tokens, penalties and bad words "
           "sampled (drafts verified with the penalties and bad words)", SAMPLER_EXTRAS, (
         Target("tpu_inference.runner.tpu_runner.TPUModelRunner._prepare_inputs",
