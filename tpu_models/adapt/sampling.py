@@ -328,7 +328,8 @@ def logprobs_zero_served() -> None:
 def logprobs_beside_drafts() -> None:
     # A step of a drafting engine is laid out [draft rows, bonus rows] per rank even
     # when no request drafted; upstream unpicks that layout only when some did, so
-    # the first step's logprobs were read from the draft rows (-1: a 500).
+    # such a step's logprobs (the first step's, for one) were read from the draft
+    # rows' -1 placeholders, which killed the engine.
     import jax
     import numpy as np
     from tpu_inference.runner import tpu_runner
@@ -364,11 +365,14 @@ PATCHES = [
         "tests/test_sampling_params.py::test_logprobs_zero_gives_the_sampled_tokens_logprob",
         logprobs_zero_served, upstream="tpu-inference issue 3572 (fix PR closed unmerged)"),
     Patch("logprobs beside drafts served", LOGPROBS_WITH_DRAFTS, (
-        Target("tpu_inference.runner.tpu_runner._jax_logprobs_materialize", "logprobs_tensors "
-               "logits_indices_selector cu_num_generated_tokens spec_decode_metadata runner num_reqs"),
-        Target("tpu_inference.spec_decode.jax.utils.filter_speculative_logprobs", "log_token_ids "
-               "logprobs_arr selected_token_ranks spec_decode_metadata vocab_size dp_size num_reqs")),
-        "a drafting engine's first step read logprobs from its draft rows: 500",
+        Target("tpu_inference.runner.tpu_runner._jax_logprobs_materialize",
+               "logprobs_tensors logits_indices_selector cu_num_generated_tokens "
+               "spec_decode_metadata runner num_reqs"),
+        Target("tpu_inference.spec_decode.jax.utils.filter_speculative_logprobs",
+               "log_token_ids logprobs_arr selected_token_ranks spec_decode_metadata vocab_size "
+               "dp_size num_reqs")),
+        "a drafting engine's step with no drafts (the first) read logprobs from its draft "
+        "rows: 500",
         "tests/test_spec_decode.py::test_ngram_on_gemma3_matches_transformers",
         logprobs_beside_drafts),
     Patch("min_p, seeds, logit_bias, allowed ids, min_tokens, penalties and bad words "
