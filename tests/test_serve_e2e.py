@@ -28,9 +28,10 @@ def server(qwen3_structural, tmp_path_factory):
         yield s
 
 
-def complete_all(server, prompts, max_tokens=MAX_TOKENS, params=None):
+def complete_all(server, prompts, max_tokens=MAX_TOKENS, params=None,
+                 read=lambda choice: choice.token_ids):
     """Sends every prompt at once (prompt i with sampling parameters params[i]);
-    returns generated token ids per prompt."""
+    returns read(choice) per prompt: its generated token ids unless told."""
 
     async def run():
         client = server.async_client()
@@ -39,7 +40,7 @@ def complete_all(server, prompts, max_tokens=MAX_TOKENS, params=None):
                 model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
                 extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
             for p, extra in zip(prompts, params or [{}] * len(prompts))])
-        return [r.choices[0].token_ids for r in responses]
+        return [read(r.choices[0]) for r in responses]
 
     return asyncio.run(run())
 

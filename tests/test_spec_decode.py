@@ -73,11 +73,11 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
             assert accepted_draft_tokens(speculative) > 0, method
             # Drafts are verified with the batch's key: a seed would not reproduce; nor
             # are allowed ids or min_tokens applied in verification (the penalties are).
-            for name, fields in {"seed": {"seed": 1}, "allowed_token_ids": {
-                    "allowed_token_ids": [1, 2]}, "min_tokens": {"min_tokens": 2}}.items():
+            for name, value in {"seed": 1, "allowed_token_ids": [1, 2],
+                                "min_tokens": 2}.items():
                 refused = requests.post(f"{speculative.url}/v1/completions", timeout=60, json={
                     "model": DEFAULT_NAME, "prompt": "Bob", "max_tokens": 2, "temperature": 1,
-                    **fields})
+                    name: value})
                 assert refused.status_code == 400, (name, refused.text)
                 assert refused.json()["error"]["param"] == name, refused.text
         # Every EAGLE-3 draft position must draft well, not just the first (a
@@ -100,39 +100,26 @@ def test_ngram_on_gemma3_matches_transformers(tmp_path):
         prompts.append(span * 3)
     # logprobs beside drafts, penalized or not: the raw logits' log-softmax (vLLM's
     # default logprobs_mode), the penalties applied to the choice alone.
-    asked = [{"logprobs": 1}] * 4 + [{"logprobs": 1, **PENALTIES[name]} for name in PENALTIES]
+    penalized = [{}] * 4 + list(PENALTIES.values())
     with Server(model, "--dtype", "float32", "--max-model-len", "512",
                 "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
                 "--speculative-config", NGRAM, log=tmp_path / "serve.log") as s:
         got = complete_all(s, prompts, max_tokens=24)
         accepted = accepted_draft_tokens(s)
         assert accepted > 0
-        replies = with_logprobs(s, prompts[:len(asked)], 24, asked)
+        replies = complete_all(s, prompts[:len(penalized)], 24,
+                               [{"logprobs": 1, **p} for p in penalized],
+                               read=lambda c: (c.token_ids, c.logprobs.token_logprobs))
         assert accepted_draft_tokens(s) > accepted
-    for prompt, ids in zip(prompts, got):
-        assert ids == reference.greedy(prompt, 24), f"prompt of {len(prompt)} tokens"
-    for prompt, params, (ids, logprobs) in zip(prompts, asked, replies):
-        penalties = {k: v for k, v in params.items() if k != "logprobs"}
-        assert ids == (decisive_greedy(reference, prompt, 24, **penalties) if penalties
-                       else reference.greedy(prompt, 24)), params
+    expected = [reference.greedy(prompt, 24) for prompt in prompts]
+    for prompt, ids, want in zip(prompts, got, expected):
+        assert ids == want, f"prompt of {len(prompt)} tokens"
+    for prompt, params, want, (ids, logprobs) in zip(prompts, penalized, expected, replies):
+        assert ids == (decisive_greedy(reference, prompt, 24, **params) if params else want), params
         logits = torch.from_numpy(reference.logits(prompt + ids)[len(prompt) - 1:-1])
-        want = torch.log_softmax(logits, -1)[torch.arange(len(ids)), ids].numpy()
+        exact = torch.log_softmax(logits, -1)[torch.arange(len(ids)), ids].numpy()
         # fp32 log-softmax vs transformers fp32: reduction order differs, 1e-4 on O(1) values
-        np.testing.assert_allclose(logprobs, want, atol=1e-4, rtol=0, err_msg=str(params))
-
-
-def with_logprobs(server, prompts, max_tokens, params):
-    """complete_all's requests, returning (token ids, their logprobs) per prompt."""
-
-    async def run():
-        client = server.async_client()
-        return await asyncio.gather(*[client.completions.create(
-            model="tiny", prompt=p, max_tokens=max_tokens, temperature=0,
-            extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
-            for p, extra in zip(prompts, params)])
-
-    return [(r.choices[0].token_ids, r.choices[0].logprobs.token_logprobs)
-            for r in asyncio.run(run())]
+        np.testing.assert_allclose(logprobs, exact, atol=1e-4, rtol=0, err_msg=str(params))
 
 
 def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
