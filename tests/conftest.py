@@ -14,8 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SKIP_JAX_PRECOMPILE", "1")
 # Token buckets from 16, tpu-inference's own (a TPU's) default, rather than the 1 a
 # CPU host gets (adapt.host_portability): each model step compiled costs 3-4 s of a
-# core here, and a server met 8 buckets where it now meets 4. The demo server, the
-# wheel's servers and the start-up test keep the CPU default, as users get it.
+# core here, and a server met 8 buckets where it now meets 4. The demo server and
+# the start-up test keep the CPU default, as users get it.
 os.environ.setdefault("MIN_TOKEN_BUCKET", "16")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")

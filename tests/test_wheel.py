@@ -50,7 +50,7 @@ HOST_ENV = {
 }
 # Set by this test process (conftest, .venv) and not by a user's shell.
 NOT_INHERITED = ("VLLM_", "TPU_", "JAX_", "XLA_", "NUM_PRECOMPILE_WORKERS", "MODEL_IMPL_TYPE",
-                 "MIN_TOKEN_BUCKET", "PYTHON", "VIRTUAL_ENV", "UV_")
+                 "PYTHON", "VIRTUAL_ENV", "UV_")
 SERVE_ARGS = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
 # The README's "Serving" request.
 README_MESSAGE = "Lena works as a baker at Contoso for 3 years"
