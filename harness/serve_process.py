@@ -64,9 +64,7 @@ class Server(ServeProcess):
         base = command or [sys.executable, "-m", "tpu_models.server.cli", "serve"]
         self.command = [*base, *self.argv]
         # vLLM posts usage statistics to its server unless told not to: loopback only here.
-        # A variable of `env` set to None is removed.
-        self.env = {k: v for k, v in {**os.environ, "VLLM_NO_USAGE_STATS": "1",
-                                      "DO_NOT_TRACK": "1", **(env or {})}.items() if v is not None}
+        self.env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
         self.cwd = cwd  # None: this process's
 
     def launch(self) -> "Server":

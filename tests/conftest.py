@@ -12,11 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Test servers compile the shapes they meet instead of every bucket up front
 # (about 30 s less per start); the shared demo server below precompiles, as users get it.
 os.environ.setdefault("SKIP_JAX_PRECOMPILE", "1")
-# Token buckets from 16, tpu-inference's own (a TPU's) default, rather than the 1 a
-# CPU host gets (adapt.host_portability): each model step compiled costs 3-4 s of a
-# core here, and a server met 8 buckets where it now meets 4. The demo server and
-# the start-up test keep the CPU default, as users get it.
-os.environ.setdefault("MIN_TOKEN_BUCKET", "16")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # XLA:CPU's LLVM at -O0: a cold run of the suite is mostly compiling small programs
@@ -82,8 +77,7 @@ def demo_server(tmp_path_factory):
     from tpu_models.harness.serve_process import Server
     log = tmp_path_factory.mktemp("demo-server") / "serve.log"
     with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20),
-                log=log, api_key=DEMO_API_KEY,
-                env={"SKIP_JAX_PRECOMPILE": "0", "MIN_TOKEN_BUCKET": None}) as server:
+                log=log, api_key=DEMO_API_KEY, env={"SKIP_JAX_PRECOMPILE": "0"}) as server:
         yield server
 
 
