@@ -372,7 +372,7 @@ PATCHES = [
                "log_token_ids logprobs_arr selected_token_ranks spec_decode_metadata vocab_size "
                "dp_size num_reqs")),
         "a drafting engine's step with no drafts (the first) read logprobs from its draft "
-        "rows: 500",
+        "rows; the engine died",
         "tests/test_spec_decode.py::test_ngram_on_gemma3_matches_transformers",
         logprobs_beside_drafts),
     Patch("min_p, seeds, logit_bias, allowed ids, min_tokens, penalties and bad words "
