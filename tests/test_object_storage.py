@@ -289,8 +289,11 @@ def test_a_storage_server_stopping_mid_load_is_named_within_a_minute(tmp_path):
     bucket = next(own)
     checkpoint = reshard(make_qwen3(tmp_path / "q"))
     uri = bucket.upload(checkpoint)
-    # Still pointed at the stopped emulator afterwards, never at a real endpoint.
-    env = {**os.environ, **bucket.env, "TPU_MODELS_STREAM_STALL_S": "5"}
+    # Still pointed at the stopped emulator afterwards, never at a real endpoint. The
+    # engine's read buffer (one tensor, runtime.STREAMER_MEMORY_LIMIT): with the
+    # streamer's default the whole checkpoint may be read before the server stops.
+    env = {**os.environ, **bucket.env, "TPU_MODELS_STREAM_STALL_S": "5",
+           "RUNAI_STREAMER_MEMORY_LIMIT": "0"}
     process = subprocess.Popen([sys.executable, "-c", STREAM, uri, str(checkpoint)], env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -301,7 +304,11 @@ def test_a_storage_server_stopping_mid_load_is_named_within_a_minute(tmp_path):
         start = time.monotonic()
         process.stdin.write("\n")
         process.stdin.flush()
-        output, _ = process.communicate(timeout=60)
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"still running after 60 s:\n{process.communicate()[0]}")
     finally:
         process.kill()
     assert time.monotonic() - start < 60
