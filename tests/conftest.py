@@ -52,6 +52,10 @@ def compilation_cache(tmp_path_factory):
     cache = base / "xla-cache"
     cache.mkdir(exist_ok=True)
     os.environ.setdefault("VLLM_XLA_CACHE_PATH", str(cache))
+    # The tests' own processes too (the engine's runner turns it on in the engine's):
+    # in-process steps of the shared tiny shapes are then compiled once per run.
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.environ["VLLM_XLA_CACHE_PATH"])
 
 
 # The longest files (about a minute or more each), longest first: the two workers
