@@ -136,6 +136,7 @@ except guard.AdaptationError as e:
 """
 
 
+@pytest.mark.slow  # a process of its own, on a faked upstream
 def test_on_another_tpu_inference_a_feature_whose_patch_cannot_apply_is_refused(tmp_path):
     import subprocess
     import sys

@@ -91,6 +91,7 @@ def test_export_killed_while_writing_shards_leaves_only_a_partial_dir(tmp_path):
     assert not (tmp / "config.json").exists()
 
 
+@pytest.mark.slow  # an export killed, then run again
 def test_export_killed_before_the_rename_keeps_the_old_output_and_is_cleaned_next_run(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

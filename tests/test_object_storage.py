@@ -277,6 +277,7 @@ list(stream)
 """
 
 
+@pytest.mark.slow  # a process of its own, its storage server stopped
 def test_a_storage_server_stopping_mid_load_is_named_within_a_minute(tmp_path):
     """The streamer's client retries a vanished server for 15 minutes, and waits for
     it again at exit; the stream notices within TPU_MODELS_STREAM_STALL_S, names the
@@ -366,6 +367,7 @@ def s3_bucket(monkeypatch):
         server.stop()
 
 
+@pytest.mark.slow  # processes of their own
 def test_s3_checkpoints_are_checked_and_streamed_through_the_same_code(s3_bucket, tmp_path):
     """s3:// takes the gs:// path: headers read and checked, sizes against them, the
     stream (vLLM's runai iterator, as under --load-format runai_streamer) equal to

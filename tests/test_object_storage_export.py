@@ -246,6 +246,7 @@ def export_cli(bucket, args: list[str], tmp_path: Path, stop_with: int | None = 
     return stderr
 
 
+@pytest.mark.slow  # exports killed and terminated
 def test_killed_export_is_refused_and_overwritten_terminated_one_cleans_up(
         bucket, maxtext_uri, local_export, tmp_path):
     out = f"{bucket.root}/killed"

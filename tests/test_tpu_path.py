@@ -81,6 +81,7 @@ def test_both_architectures_through_the_rpa_backend_match_transformers(demo_serv
                 assert ids == reference.greedy(prompt, 6), f"{name}: prompt of {len(prompt)}"
 
 
+@pytest.mark.e2e  # the real `tpu-models serve`, refusing at start-up
 def test_tpu_models_serve_refuses_an_attention_path_it_cannot_run(tmp_path):
     server = Server(None, log=tmp_path / "serve.log", env={host.ATTENTION_ENV: "rpa"})
     assert server.wait_exit(60) != 0
