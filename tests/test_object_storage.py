@@ -261,15 +261,19 @@ def test_an_object_replaced_while_streamed_is_refused_naming_it(in_bucket, tmp_p
 
 STREAM = """
 import sys
+from types import SimpleNamespace
 from tpu_models import host
 host.setup_host("cpu")
 from vllm.model_executor.model_loader.weight_utils import runai_safetensors_weights_iterator
 from tpu_models.loaders.hf import CheckpointError
 from tpu_models.loaders.object_storage import ObjectStorageCheckpoint
-from tpu_models.loaders.object_storage import checked_stream
+from tpu_models.runtime import STREAMED, weight_stream
 
 remote = ObjectStorageCheckpoint(sys.argv[1], sys.argv[2])
-stream = checked_stream(runai_safetensors_weights_iterator(remote.files, False), remote)
+# The engine's stream, as our models' load_weights takes it (its read buffer included).
+config = SimpleNamespace(load_config=SimpleNamespace(load_format=STREAMED))
+stream = weight_stream(config, remote, runai_safetensors_weights_iterator(remote.files, False),
+                       check_weights=False)
 next(stream)
 print("streaming", flush=True)
 sys.stdin.readline()
@@ -290,11 +294,8 @@ def test_a_storage_server_stopping_mid_load_is_named_within_a_minute(tmp_path):
     bucket = next(own)
     checkpoint = reshard(make_qwen3(tmp_path / "q"))
     uri = bucket.upload(checkpoint)
-    # Still pointed at the stopped emulator afterwards, never at a real endpoint. The
-    # engine's read buffer (one tensor, runtime.STREAMER_MEMORY_LIMIT): with the
-    # streamer's default the whole checkpoint may be read before the server stops.
-    env = {**os.environ, **bucket.env, "TPU_MODELS_STREAM_STALL_S": "5",
-           "RUNAI_STREAMER_MEMORY_LIMIT": "0"}
+    # Still pointed at the stopped emulator afterwards, never at a real endpoint.
+    env = {**os.environ, **bucket.env, "TPU_MODELS_STREAM_STALL_S": "5"}
     process = subprocess.Popen([sys.executable, "-c", STREAM, uri, str(checkpoint)], env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
