@@ -58,13 +58,15 @@ def compilation_cache(tmp_path_factory):
     jax.config.update("jax_compilation_cache_dir", os.environ["VLLM_XLA_CACHE_PATH"])
 
 
-# The longest files (about a minute or more each), longest first: the two workers
-# take files in this order, then the rest alphabetically, so that no long file
-# starts last while the other worker idles. Scheduling only; any order passes.
-LONGEST_FIRST = ("test_doctor", "test_compile", "test_quant", "test_tunix_rollouts",
-                 "test_multi_lora", "test_tpu_path", "test_spec_decode", "test_hybrid_kv_cache",
-                 "test_sampler", "test_benchmarks", "test_attention", "test_tensor_parallel",
-                 "test_object_storage", "test_startup", "test_wheel", "test_data_parallel")
+# The longest files (about two minutes or more each in a full run), longest first:
+# the two workers take files in this order, then the rest alphabetically, so that no
+# long file starts last while the other worker idles (xdist's own reordering, by
+# test count, is turned off in pyproject.toml). Scheduling only; any order passes.
+LONGEST_FIRST = ("test_spec_decode", "test_doctor", "test_sampler", "test_tunix_rollouts",
+                 "test_quant", "test_compile", "test_wheel", "test_hybrid_kv_cache",
+                 "test_attention", "test_multi_lora", "test_tpu_path", "test_object_storage",
+                 "test_startup", "test_benchmarks", "test_data_parallel", "test_spec_fusion",
+                 "test_tensor_parallel")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,8 +10,10 @@ process (tests/tunix_rollouts_run.py; TP 2 on fake devices), two at a time.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,8 @@ RUNS = {"tp1": ("tests.tunix_rollouts_run", ),
         "tp1 lora slots": ("tests.tunix_rollouts_run", "--lora", "slots"),
         "tp2 lora merged": ("tests.tunix_rollouts_run", "--tp", "2", "--lora", "merged"),
         "grpo": ("tests.tunix_grpo_run", )}
+# 186, 171, 112 and 81 s in a full run of the suite: started longest first, two at a time.
+LONGEST_FIRST = ("tp2 lora merged", "grpo", "tp1 lora slots", "tp1")
 # Both sides compute in float32 from the same weights; the engine's ops (paged
 # attention, fused projections) sum in other orders: log-probabilities agree to
 # a few float32 ulps of values near 5 (1.4e-6 seen). Greedy tokens are compared
@@ -34,22 +38,32 @@ LOGPROB_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[str, dict]:
-    """Two processes at a time (each holds an engine; the suite's other worker has its own)."""
+    """Two processes at a time (each holds an engine; the suite's other worker has its
+    own), the longest first: the next starts as soon as one ends."""
     def start(name):
         module, *options = RUNS[name]
         out = tmp_path_factory.mktemp(name.replace(" ", "-"))
         return preloaded.python_module(module, [str(out), *options], cwd=ROOT, log=out / "run.log",
                                        env={**os.environ, "SKIP_JAX_PRECOMPILE": "1"}), out
 
-    found, names = {}, list(RUNS)
-    for pair in (names[:2], names[2:]):
-        procs = {name: start(name) for name in pair}
-        for name, (proc, out) in procs.items():
-            proc.wait(timeout=600)
-            text = (out / "run.log").read_text()
-            line = next((ln for ln in text.splitlines() if ln.startswith("REPORT ")), None)
-            assert proc.returncode == 0 and line, f"{name}:\n{text[-4000:]}"
-            found[name] = json.loads(line.removeprefix("REPORT ")) | {"out": str(out)}
+    found, waiting, running = {}, list(LONGEST_FIRST), {}
+    while waiting or running:
+        while waiting and len(running) < 2:
+            name = waiting.pop(0)
+            running[name] = (*start(name), time.monotonic() + 600)
+        done = next((n for n, (proc, _, deadline) in running.items()
+                     if proc.poll() is not None or time.monotonic() > deadline), None)
+        if done is None:
+            time.sleep(0.5)
+            continue
+        proc, out, _ = running.pop(done)
+        text = (out / "run.log").read_text()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            pytest.fail(f"{done}: still running after 600 s:\n{text[-4000:]}")
+        line = next((ln for ln in text.splitlines() if ln.startswith("REPORT ")), None)
+        assert proc.returncode == 0 and line, f"{done}:\n{text[-4000:]}"
+        found[done] = json.loads(line.removeprefix("REPORT ")) | {"out": str(out)}
     return found
 
 
