@@ -23,12 +23,12 @@ from tpu_models.harness import preloaded
 pytestmark = pytest.mark.e2e  # vLLM engines, in processes of their own
 
 ROOT = Path(__file__).parents[1]
-RUNS = {"tp1": ("tests.tunix_rollouts_run", ),
+# Started in this order, two at a time: the longest first (186, 171, 112 and 81 s in
+# a full run of the suite).
+RUNS = {"tp2 lora merged": ("tests.tunix_rollouts_run", "--tp", "2", "--lora", "merged"),
+        "grpo": ("tests.tunix_grpo_run", ),
         "tp1 lora slots": ("tests.tunix_rollouts_run", "--lora", "slots"),
-        "tp2 lora merged": ("tests.tunix_rollouts_run", "--tp", "2", "--lora", "merged"),
-        "grpo": ("tests.tunix_grpo_run", )}
-# 186, 171, 112 and 81 s in a full run of the suite: started longest first, two at a time.
-LONGEST_FIRST = ("tp2 lora merged", "grpo", "tp1 lora slots", "tp1")
+        "tp1": ("tests.tunix_rollouts_run", )}
 # Both sides compute in float32 from the same weights; the engine's ops (paged
 # attention, fused projections) sum in other orders: log-probabilities agree to
 # a few float32 ulps of values near 5 (1.4e-6 seen). Greedy tokens are compared
@@ -46,7 +46,7 @@ def reports(tmp_path_factory) -> dict[str, dict]:
         return preloaded.python_module(module, [str(out), *options], cwd=ROOT, log=out / "run.log",
                                        env={**os.environ, "SKIP_JAX_PRECOMPILE": "1"}), out
 
-    found, waiting, running = {}, list(LONGEST_FIRST), {}
+    found, waiting, running = {}, list(RUNS), {}
     while waiting or running:
         while waiting and len(running) < 2:
             name = waiting.pop(0)
