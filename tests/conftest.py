@@ -21,8 +21,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 # within an operation only wait on each other (two spec-decoding tests: 272 -> 244 s
 # of CPU). Compiles for a TPU (`tpu-models compile`) are left as users get them
 # (tpu_compile_env).
-CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE}".strip()
+CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -32,7 +32,7 @@ def fake_devices(count: int) -> dict:
 
 
 def tpu_compile_env(env: dict) -> dict:
-    return {**env, "XLA_FLAGS": env.get("XLA_FLAGS", "").replace(CPU_COMPILE, "").strip()}
+    return {**env, "XLA_FLAGS": env.get("XLA_FLAGS", "").replace(CPU_XLA_FLAGS, "").strip()}
 
 import pytest  # noqa: E402
 
