@@ -36,8 +36,10 @@ from tpu_models.server.loopback import ServeProcess
 MODELS = Path(__file__).parent / "doctor_models"
 PACKAGES = ("vllm-tpu", "tpu-inference", "jax", "jaxlib", "libtpu", "flax", "qwix", "tpu-models")
 # Small enough for any host: 32-token chunks make the longer prompts chunked prefills.
+# 8 MiB holds every sequence at --max-model-len; JAX's Pallas interpreter
+# (rpa-interpret) copies the whole cache at each call, so more only costs time.
 ENGINE_ARGS = ("--max-model-len", "256", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
-               "--kv-cache-memory-bytes", str(32 << 20))
+               "--kv-cache-memory-bytes", str(8 << 20))
 SERVER_ARGS = ("--dtype", "float32", *ENGINE_ARGS, "--served-model-name", "doctor")
 
 
