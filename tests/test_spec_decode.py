@@ -61,8 +61,9 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
     examples = held_out(CONCURRENT, novel=True)
     guided = [i % 2 == 1 for i in range(CONCURRENT)]
     plain = chat_answers(demo_server, examples, guided)
+    # demo_server's engine shape: the n-gram server's steps are programs it precompiled.
     servers = {method: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
-                              str(64 << 20), "--speculative", method,
+                              str(256 << 20), "--speculative", method,
                               log=tmp_path / f"{method}.log")
                for method in ("ngram", "eagle3")}
     with launched(servers):

@@ -213,7 +213,7 @@ def servers(venv, workdir):
                        log=workdir / "demo.log"),
         # As tests/test_spec_decode.py's EAGLE-3 server: the same programs.
         "eagle3": Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
-                         str(64 << 20), "--speculative", "eagle3",
+                         str(256 << 20), "--speculative", "eagle3",
                          command=[*chdir, str(bin_ / "tpu-models"), "serve"],
                          log=workdir / "eagle3.log"),
         "plain": Server(default_model, *SERVE_ARGS, "--dtype", "float32",
