@@ -42,6 +42,9 @@ from tpu_models.harness import preloaded  # noqa: E402
 # worker, saving each start 12-15 s of a core (harness/preloaded.py).
 preloaded.ENABLED = True
 DEMO_API_KEY = "test-key"
+# demo_server's engine shape: the demo model's other servers take it too, so that their
+# steps are programs the run's cache already holds.
+DEMO_ENGINE = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -86,8 +89,8 @@ def demo_server(tmp_path_factory):
     an API key; shared by the demo, request-validation, soak and benchmark smoke tests."""
     from tpu_models.harness.serve_process import Server
     log = tmp_path_factory.mktemp("demo-server") / "serve.log"
-    with Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20),
-                log=log, api_key=DEMO_API_KEY, env={"SKIP_JAX_PRECOMPILE": "0"}) as server:
+    with Server(None, *DEMO_ENGINE, log=log, api_key=DEMO_API_KEY,
+                env={"SKIP_JAX_PRECOMPILE": "0"}) as server:
         yield server
 
 

@@ -18,6 +18,7 @@ from tpu_models.benchmarks import demo_quality, serving
 from tpu_models.benchmarks.demo_sets import held_out
 from tpu_models.harness.serve_process import Server, launched
 from tpu_models.server.serve import DEFAULT_NAME, SPECULATIVE
+from tests.conftest import DEMO_ENGINE
 from tests.test_sampler import PENALTIES, decisive_greedy
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_eagle3_draft, make_gemma3
@@ -61,9 +62,8 @@ def test_speculative_demo_gives_the_text_of_plain_decoding(demo_server, tmp_path
     examples = held_out(CONCURRENT, novel=True)
     guided = [i % 2 == 1 for i in range(CONCURRENT)]
     plain = chat_answers(demo_server, examples, guided)
-    # demo_server's engine shape: the n-gram server's steps are programs it precompiled.
-    servers = {method: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
-                              str(256 << 20), "--speculative", method,
+    # The n-gram server's steps are programs demo_server precompiled.
+    servers = {method: Server(None, *DEMO_ENGINE, "--speculative", method,
                               log=tmp_path / f"{method}.log")
                for method in ("ngram", "eagle3")}
     with launched(servers):

@@ -13,6 +13,7 @@ import pytest
 
 from tpu_models.harness.serve_process import Server, launched
 from tpu_models import logs
+from tests.conftest import DEMO_ENGINE
 
 SILENCED = [prefix for table in (logs.OFF_TPU, logs.ALWAYS) for prefixes in table.values()
             for prefix in prefixes]
@@ -86,9 +87,7 @@ def bad_lines(log: str) -> list[str]:
 def test_demo_server_log_tells_the_truth(tmp_path):
     """Stopped with Ctrl-C and with SIGTERM (two servers, started at once)."""
     stops = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM}
-    # demo_server's engine shape: their steps come from the run's compilation cache.
-    servers = {name: Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
-                            str(256 << 20), log=tmp_path / f"{name}.log")
+    servers = {name: Server(None, *DEMO_ENGINE, log=tmp_path / f"{name}.log")
                for name in stops}
     with launched(servers):
         for name, server in servers.items():

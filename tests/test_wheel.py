@@ -35,6 +35,7 @@ import pytest
 
 from tpu_models.benchmarks import serving
 from tpu_models.harness.serve_process import Server, launched
+from tests.conftest import DEMO_ENGINE
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +52,6 @@ HOST_ENV = {
 # Set by this test process (conftest, .venv) and not by a user's shell.
 NOT_INHERITED = ("VLLM_", "TPU_", "JAX_", "XLA_", "NUM_PRECOMPILE_WORKERS", "MODEL_IMPL_TYPE",
                  "PYTHON", "VIRTUAL_ENV", "UV_")
-SERVE_ARGS = ("--max-model-len", "256", "--kv-cache-memory-bytes", str(256 << 20))
 # The README's "Serving" request.
 README_MESSAGE = "Lena works as a baker at Contoso for 3 years"
 
@@ -209,14 +209,13 @@ def servers(venv, workdir):
     assert (default_model / "model.safetensors").is_file()
     plain_env = server_env(venv, MODEL_IMPL_TYPE="flax_nnx")
     specs = {
-        "demo": Server(None, *SERVE_ARGS, command=[*chdir, str(bin_ / "tpu-models"), "serve"],
+        "demo": Server(None, *DEMO_ENGINE, command=[*chdir, str(bin_ / "tpu-models"), "serve"],
                        log=workdir / "demo.log"),
         # As tests/test_spec_decode.py's EAGLE-3 server: the same programs.
-        "eagle3": Server(None, "--max-model-len", "256", "--kv-cache-memory-bytes",
-                         str(256 << 20), "--speculative", "eagle3",
+        "eagle3": Server(None, *DEMO_ENGINE, "--speculative", "eagle3",
                          command=[*chdir, str(bin_ / "tpu-models"), "serve"],
                          log=workdir / "eagle3.log"),
-        "plain": Server(default_model, *SERVE_ARGS, "--dtype", "float32",
+        "plain": Server(default_model, *DEMO_ENGINE, "--dtype", "float32",
                         "--max-num-batched-tokens", "256", "--max-num-seqs", "16",
                         "--host", "127.0.0.1", "--served-model-name", DEMO_NAME,
                         command=[*chdir, str(bin_ / "vllm"), "serve"],
