@@ -60,6 +60,19 @@ SHAPES = {
                       num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                       sliding_window=512, query_pre_attn_scalar=256, vocab_size=262_144,
                       max_position_embeddings=32768),
+    # Gemma 3 4B and 27B (text), Qwen3 32B: compiled for TPUs only (rope scaling left out:
+    # it changes no shape)
+    "gemma3-4b": dict(arch="gemma3", num_layers=34, hidden_size=2560, intermediate_size=10240,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      sliding_window=1024, query_pre_attn_scalar=256, vocab_size=262_208,
+                      max_position_embeddings=131072),
+    "gemma3-27b": dict(arch="gemma3", num_layers=62, hidden_size=5376, intermediate_size=21504,
+                       num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                       sliding_window=1024, query_pre_attn_scalar=168, vocab_size=262_208,
+                       max_position_embeddings=131072),
+    "qwen3-32b": dict(arch="qwen3-structural", num_layers=64, hidden_size=5120,
+                      intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, vocab_size=151_936, tie_word_embeddings=False),
 }
 
 

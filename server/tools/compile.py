@@ -22,7 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
-from tpu_models import host
+from tpu_models import host, memory
 from tpu_models.topologies import TOPOLOGIES, UnknownTopology, topology
 
 
@@ -72,12 +72,17 @@ def main(argv: list[str]) -> None:
     from tpu_models.server.tools import compile_advice, compile_report
     began = time.perf_counter()
     try:
-        config, core = start_engine(model, vllm_args)
+        with compile_report.progress(slice_.name):
+            config, core = start_engine(model, vllm_args)
     except CannotRun as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
-    except DoesNotFit as e:
-        _advise(compile_advice.what_would_fit(e.config, str(e)))
-        sys.exit(_fail(1, f"does not fit {slice_.name}: {e}"))
+    except DoesNotFit as e:  # the engine's own sizing refused it (its words: --verbose)
+        runner = compile_advice.compiled_runner()
+        if runner is None:
+            sys.exit(_fail(1, f"does not fit {slice_.name}'s HBM: {e}"))
+        _advise(compile_advice.what_would_fit(e.config))
+        chip = compile_advice.chip_of(e.config, runner)
+        sys.exit(_fail(1, compile_advice.verdict(slice_.name, chip)))
     report = compile_report.build(config, core, slice_)
     if args.dump_hlo:
         compile_report.dump_hlo(args.dump_hlo)
@@ -85,8 +90,9 @@ def main(argv: list[str]) -> None:
     compile_report.show(report)
     status, why = compile_report.verdict(report)
     if status == 1:
-        excess = compile_report.needed(report) - report["per_chip"]["hbm_bytes"]
-        report["what_would_fit"] = compile_advice.what_would_fit(config, why, excess)
+        chip = report["per_chip"]
+        measured = memory.Step(chip["largest_program_transient_bytes"], chip["largest_program"])
+        report["what_would_fit"] = compile_advice.what_would_fit(config, measured, why)
         _advise(report["what_would_fit"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
@@ -95,10 +101,13 @@ def main(argv: list[str]) -> None:
 
 
 def _advise(lines: list[str]) -> None:
-    if lines:
-        print("What would fit (estimates; compile again to check):", flush=True)
-        for line in lines:
-            print(f"  {line}", flush=True)
+    if not lines:
+        print("Nothing within this generation's slices, quantization presets, KV cache "
+              "types or contexts fits by this compile's arithmetic.", flush=True)
+        return
+    print("What would fit (estimates; compile again to check):", flush=True)
+    for line in lines:
+        print(f"  {line}", flush=True)
 
 
 TRACEBACKS = "TPU_MODELS_COMPILE_TRACEBACKS"

@@ -8,9 +8,11 @@ where that is sane). It misses the paged KV reads inside the attention kernel
 bytes read per step over the chip's bandwidth.
 """
 
+import contextlib
 import re
 import sys
 
+from tpu_models import memory
 from tpu_models.adapt import topology as abstract, topology_programs as programs_
 
 # What a compiler refusal ran out of, by its message.
@@ -20,6 +22,55 @@ _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNO
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = .*?\s([a-z][\w-]*)\(", re.MULTILINE)
 _COLLECTIVE = {name: re.compile(rf"\b{name}(-start)?\(") for name in (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+
+
+@contextlib.contextmanager
+def progress(topology: str, every: float = 30.0):
+    """The programs compiled so far, the one under way and the time, on stderr while the
+    engine starts: a live bar on a terminal, else a line every `every` seconds."""
+    import threading
+    import time
+
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    stop = threading.Event()
+
+    def status() -> str:
+        programs = list(programs_.PROGRAMS)
+        done = sum(p.compiled is not None or p.error is not None for p in programs)
+        latest = re.sub(r"^worker\d+ ", "", programs[-1].name) if programs else "building the model"
+        return f"compiling for {topology}: {done} of {len(programs)} programs, now {latest}"
+
+    if console.is_terminal:
+        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                       console=console, transient=True)
+        task = bar.add_task(status())
+        with bar:
+            def update():
+                while not stop.wait(0.5):
+                    bar.update(task, description=status())
+            thread = threading.Thread(target=update, daemon=True)
+            thread.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                thread.join()
+        return
+    began = time.monotonic()
+
+    def report():
+        while not stop.wait(every):
+            print(f"{status()} ({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
+    thread = threading.Thread(target=report, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _cost(compiled) -> dict:
@@ -54,6 +105,10 @@ def program_entry(program: programs_.Program, bandwidth: float) -> dict:
             "argument_bytes": memory.argument_size_in_bytes,
             "output_bytes": memory.output_size_in_bytes,
             "temp_bytes": memory.temp_size_in_bytes,
+            # What it needs beside the chip's buffers: temporaries, outputs that are no
+            # donated input's (a KV cache updated in place), inputs made for the step.
+            "transient_bytes": memory.temp_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + program.transient_input_bytes,
             "compile_seconds": round(program.seconds, 2)}
 
 
@@ -93,13 +148,18 @@ def build(vllm_config, core, slice_) -> dict:
     bandwidth = _chip_bandwidth(runner.mesh)
     programs = [program_entry(p, bandwidth) for p in programs_.PROGRAMS]
     compiled = [p for p in programs if "error" not in p]
-    largest = max(compiled, key=lambda p: p["temp_bytes"], default=None)
+    # The programs a server runs once its KV cache is allocated (not the load's).
+    serving = [p for p in compiled if not p["name"].startswith("load > ")]
+    largest = max(serving, key=lambda p: p["transient_bytes"], default=None)
     hbm = get_device_hbm_limit()
     weights = max(abstract.bytes_on(d, "weights") + abstract.bytes_on(d, "draft weights")
                   for d in devices)
-    other = max(abstract.bytes_on(d, "host inputs") for d in devices)  # LoRA slots, RNG key
+    # Buffers kept beside the cache: the penalties' counts, LoRA slots, the RNG key.
+    other = max(abstract.bytes_on(d, "host inputs") for d in devices)
+    counts = penalty_counts_bytes()
     kv = max(abstract.bytes_on(d, "kv_cache") for d in devices)
-    temp = largest["temp_bytes"] if largest else 0
+    transient = largest["transient_bytes"] if largest else 0
+    step = memory.step_of(vllm_config)
     concurrency = float(cache.kv_cache_max_concurrency or 0)
     per_request = kv / concurrency if concurrency else 0
     decode = min((p for p in compiled if p["name"] == "backbone"),
@@ -116,11 +176,19 @@ def build(vllm_config, core, slice_) -> dict:
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "max_model_len": vllm_config.model_config.max_model_len,
         "gpu_memory_utilization": cache.gpu_memory_utilization,
-        "fits": not any("error" in p for p in programs) and weights + other + kv + temp <= hbm,
+        "fits": not any("error" in p for p in programs) and weights + other + kv + transient <= hbm,
         "per_chip": {"hbm_bytes": hbm, "weights_bytes": weights, "kv_cache_bytes": kv,
-                     "other_bytes": other, "largest_program_temp_bytes": temp,
+                     "other_bytes": other,
+                     "buffers": {"penalty counts": counts,
+                                 "LoRA slots and other inputs": other - counts},
+                     "largest_program_temp_bytes": max((p["temp_bytes"] for p in serving),
+                                                       default=0),
+                     "largest_program_transient_bytes": transient,
                      "weights_by_dtype": _weights_by_dtype(chip),
-                     "largest_program": _label(largest) if largest else None},
+                     "largest_program": _label(largest) if largest else None,
+                     # The bound the KV cache was sized to leave room for (tpu_models.memory).
+                     "largest_step_estimate_bytes": step.bytes, "largest_step_estimate": step.what,
+                     "free_bytes": hbm - weights - other - kv - transient},
         "kv_cache_tokens": int(cache.kv_cache_size_tokens or 0),
         "kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": cache.block_size,
         "max_concurrent_requests": round(concurrency, 2),
@@ -133,6 +201,13 @@ def build(vllm_config, core, slice_) -> dict:
             "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None},
         "programs": programs,
     }
+
+
+def penalty_counts_bytes() -> int:
+    """A chip's bytes of the penalties' counts (allocated at start-up, replicated)."""
+    from tpu_models.adapt import token_counts
+    made = token_counts._COUNTS
+    return token_counts.bytes_a_chip(made[0].slots, made[0].vocab) if made else 0
 
 
 def _kv_element_type(runner) -> str | None:
@@ -165,9 +240,11 @@ def verdict(report: dict) -> tuple[int, str]:
                    f"{first['error']}")
     chip = report["per_chip"]
     if not report["fits"]:
-        return 1, (f"does not fit {report['topology']}: {_gib(needed(report))} per chip (weights, "
-                   f"KV cache, {chip['largest_program']}'s temporaries) of "
-                   f"{_gib(chip['hbm_bytes'])}")
+        return 1, (f"does not fit {report['topology']}'s HBM: a chip needs {_gib(needed(report))}"
+                   f" (weights {_gib(chip['weights_bytes'])}, KV cache "
+                   f"{_gib(chip['kv_cache_bytes'])}, buffers {_gib(chip['other_bytes'])}, "
+                   f"{chip['largest_program']} {_gib(chip['largest_program_transient_bytes'])})"
+                   f" and has {_gib(chip['hbm_bytes'])}")
     return 0, (f"{len(report['programs'])} programs compiled for {report['topology']}; fits: "
                f"{_gib(chip['weights_bytes'])} weights + {_gib(chip['kv_cache_bytes'])} KV cache "
                f"per chip, {report['kv_cache_tokens']:,} tokens, "
@@ -178,7 +255,7 @@ def needed(report: dict) -> int:
     """HBM a chip needs: what it holds, and the largest program's temporaries."""
     chip = report["per_chip"]
     return (chip["weights_bytes"] + chip["other_bytes"] + chip["kv_cache_bytes"]
-            + chip["largest_program_temp_bytes"])
+            + chip["largest_program_transient_bytes"])
 
 
 def _gib(n: float) -> str:
@@ -195,15 +272,7 @@ def show(report: dict) -> None:
                   f"[bold]{report['topology']}[/bold] ({report['chips']} x {report['device_kind']}"
                   f", {report['hosts']} host(s)), TP {report['tensor_parallel_size']}, "
                   f"{report['dtype']}, KV cache {report['kv_cache_dtype']}")
-    memory = Table(title="HBM per chip", title_justify="left")
-    for column in ("HBM", "weights", "KV cache", "largest temporaries", "free"):
-        memory.add_column(column, justify="right")
-    used = needed(report)
-    memory.add_row(_gib(chip["hbm_bytes"]), _gib(chip["weights_bytes"] + chip["other_bytes"]),
-                   _gib(chip["kv_cache_bytes"]),
-                   f"{_gib(chip['largest_program_temp_bytes'])} ({chip['largest_program']})",
-                   _gib(chip["hbm_bytes"] - used))
-    console.print(memory)
+    console.print(accounting(report))
     console.print(f"KV cache: {report['kv_cache_tokens']:,} tokens ({report['kv_cache_blocks']:,} "
                   f"blocks of {report['block_size']}), {report['max_concurrent_requests']:.2f} "
                   f"requests at --max-model-len {report['max_model_len']:,}")
@@ -236,6 +305,30 @@ def show(report: dict) -> None:
             f"{report['max_model_len']:,} tokens {roof['one_request_at_max_model_len_seconds'] * 1e3:.3f}"
             f" ms, the cache full {roof['full_cache_seconds'] * 1e3:.3f} ms (estimates, not "
             "measurements)")
+
+
+def accounting(report: dict):
+    """One chip's HBM, line by line, adding up to what is free."""
+    from rich.table import Table
+    chip = report["per_chip"]
+    table = Table(title=f"HBM of one chip ({report['device_kind']}), KV cache sized at "
+                        f"--gpu-memory-utilization {report['gpu_memory_utilization']}",
+                  title_justify="left")
+    table.add_column("")
+    table.add_column("GiB", justify="right")
+    for dtype, n in sorted(chip["weights_by_dtype"].items(), key=lambda kv: -kv[1]):
+        table.add_row(f"weights, {dtype}", f"{n / 2**30:.3f}")
+    table.add_row(f"KV cache ({report['kv_cache_tokens']:,} tokens)",
+                  f"{chip['kv_cache_bytes'] / 2**30:.3f}")
+    for name, n in chip["buffers"].items():
+        table.add_row(name, f"{n / 2**30:.3f}")
+    table.add_row(f"largest program's temporaries, outputs and step inputs: "
+                  f"{chip['largest_program']}",
+                  f"{chip['largest_program_transient_bytes'] / 2**30:.3f}")
+    table.add_row("free", f"{chip['free_bytes'] / 2**30:.3f}",
+                  style=None if chip["free_bytes"] >= 0 else "red")
+    table.add_row("HBM", f"{chip['hbm_bytes'] / 2**30:.3f}", style="bold")
+    return table
 
 
 def _grouped(programs: list[dict]):

@@ -1,9 +1,11 @@
-"""KV cache: its budget as asked, and sliding-window layers in vLLM's hybrid KV cache.
+"""KV cache: its budget as asked and beside the step, and sliding-window layers' groups.
 
 tpu-inference's worker sizes the cache from --gpu-memory-utilization alone; vLLM's
 --kv-cache-memory-bytes, which the GPU and CPU workers honour, was ignored on a
 TPU. It is honoured here, as off-TPU (adapt.host_portability) and in `tpu-models
-compile`.
+compile`. The penalties' counts, which the first request asking for a penalty
+allocated after the cache had taken its share, are allocated before it is sized,
+and on a TPU the cache leaves the largest step the room it needs (tpu_models.memory).
 
 tpu-inference gives every flax_nnx layer a FullAttentionSpec, so a Gemma 3 local
 layer (window 512) kept the whole context. With a SlidingWindowSpec vLLM's hybrid
@@ -18,6 +20,39 @@ import dataclasses
 from tpu_models.adapt.guard import HYBRID_KV, KV_BUDGET, Patch, Target, our_model
 
 
+def buffers_beside_the_cache(runner) -> None:
+    """Allocates what the engine keeps beside the KV cache and would otherwise allocate
+    later, out of the cache's room: the penalties' counts (adapt.token_counts)."""
+    from tpu_inference.logger import init_logger
+
+    from tpu_models.adapt.token_counts import allocate, bytes_a_chip
+    slots, vocab = runner.max_num_reqs, runner.model_config.get_vocab_size()
+    allocate(runner.mesh, slots, vocab)
+    init_logger("tpu_models.adapt").info(
+        "tpu-models: %.2f GiB a chip for the penalties' counts (%d sequences x %d ids), "
+        "allocated before the KV cache is sized", bytes_a_chip(slots, vocab) / 2**30, slots,
+        vocab)
+
+
+def room_for_the_largest_step(worker) -> int:
+    """Bytes (over the worker's chips) the cache gives up so that the largest step's
+    working memory fits beside it (tpu_models.memory), logged."""
+    from tpu_inference import utils
+    from tpu_inference.logger import init_logger
+
+    from tpu_models import memory
+    step = memory.step_of(worker.vllm_config)
+    hbm = utils.hbm_usage_bytes(worker.devices)[0][1]
+    utilization = worker.cache_config.gpu_memory_utilization
+    room = memory.room_beyond_utilization(step, hbm, utilization)
+    init_logger("tpu_models.adapt").info(
+        "tpu-models: the KV cache leaves %.2f GiB a chip for the largest step (%s over %d ids)%s",
+        step.bytes / 2**30, step.what, worker.model_config.get_vocab_size(),
+        f": {room / 2**30:.2f} GiB more than --gpu-memory-utilization {utilization} leaves"
+        if room else "")
+    return room * len(worker.devices)
+
+
 def kv_cache_memory_bytes_honoured() -> None:
     from tpu_inference.logger import init_logger
     from tpu_inference.worker.tpu_worker import TPUWorker
@@ -27,9 +62,12 @@ def kv_cache_memory_bytes_honoured() -> None:
     from tpu_models.host import host_platform
 
     def determine_available_memory(self) -> int:
+        buffers_beside_the_cache(self.model_runner)
         budget = self.cache_config.kv_cache_memory_bytes
-        if not budget or host_platform() is not None:  # off-TPU: the host's own sizing
+        if host_platform() is not None:  # off-TPU: the host's own sizing
             return original(self)
+        if not budget:
+            return original(self) - room_for_the_largest_step(self)
         init_logger("tpu_models.adapt").info(
             "tpu-models: KV cache budget %.2f GiB (--kv-cache-memory-bytes)", budget / 2**30)
         return int(budget)
@@ -88,9 +126,12 @@ def overlaid_tensors(kv_cache_config) -> list:
 
 MANAGER = "tpu_inference.runner.kv_cache_manager.KVCacheManager"
 PATCHES = [
-    Patch("--kv-cache-memory-bytes honoured", KV_BUDGET, (
+    Patch("--kv-cache-memory-bytes honoured; the cache sized after the penalties' counts and "
+          "for the largest step",
+          KV_BUDGET, (
         Target("tpu_inference.worker.tpu_worker.TPUWorker.determine_available_memory", "self"),),
-        "on a TPU the flag was ignored: the cache took --gpu-memory-utilization of HBM",
+        "on a TPU the flag was ignored; the counts (256 MiB for Gemma 3 at 256 sequences) "
+        "came after the cache, and sampling or prompt log-probs could need more than it left",
         "tests/test_compile.py::test_int8_qwen3_at_tensor_parallel_4_in_the_kv_budget_asked",
         kv_cache_memory_bytes_honoured, upstream="none filed"),
     Patch("sliding-window KV cache groups", HYBRID_KV, (

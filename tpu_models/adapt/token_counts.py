@@ -72,9 +72,10 @@ def record(counts, recent, slot, own, tokens, n):
 class TokenCounts:
     """What each request has seen, on the device: a row of `vocab` int32 counts (its
     output tokens, IN_PROMPT added for a prompt token) and its last RECENT output ids.
-    4 * (vocab + RECENT) bytes a slot and max_num_seqs + 1 slots: 1.0 MiB a slot at
-    Gemma 3's 262,144 ids (257 MiB at 256 sequences), 0.6 MiB at Qwen3's 151,936;
-    allocated when the first request asks for a penalty or bad words.
+    4 * (vocab + RECENT) bytes a slot and max_num_seqs slots: 1.0 MiB a slot at
+    Gemma 3's 262,144 ids (256 MiB at 256 sequences), 0.6 MiB at Qwen3's 151,936;
+    allocated at start-up, before the KV cache is sized (adapt.kv_cache), so that
+    the cache leaves them their room.
 
     A request keeps its slot until it finishes, through preemption and chunked
     prefill, since only the device knows its latest tokens. A slot is given to a new
@@ -82,14 +83,15 @@ class TokenCounts:
     is rebuilt from the host's ids when it returns: by then the host has them all."""
 
     def __init__(self, mesh, slots: int, vocab: int):
-        import jax
-        import jax.numpy as jnp
+        import numpy as np
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
+        from tpu_inference.utils import device_array
         replicated = NamedSharding(mesh, P())
         self.mesh, self.slots, self.vocab = mesh, slots, vocab
-        self.counts = jax.device_put(jnp.zeros((slots, vocab), jnp.int32), replicated)
-        self.recent = jax.device_put(jnp.full((slots, RECENT), NO_TOKEN, jnp.int32), replicated)
+        self.counts = device_array(mesh, np.zeros((slots, vocab), np.int32), sharding=replicated)
+        self.recent = device_array(mesh, np.full((slots, RECENT), NO_TOKEN, np.int32),
+                                   sharding=replicated)
         self.owner: dict[str, int] = {}  # request id -> slot
         self.free = list(range(slots - 1, -1, -1))
         self.pending: list[tuple[int, list[int], list[int]]] = []  # (slot, prompt, output)
@@ -151,8 +153,20 @@ def _rebuild():
 _COUNTS: list[TokenCounts] = []  # the runner's, once a request asks (one engine a process)
 
 
+def bytes_a_chip(slots: int, vocab: int) -> int:
+    """What TokenCounts holds on each chip (replicated)."""
+    return 4 * slots * (vocab + RECENT)
+
+
+def allocate(mesh, slots: int, vocab: int) -> TokenCounts:
+    """A starting engine's TokenCounts, in place of an earlier engine's."""
+    _COUNTS[:] = []  # the earlier one's buffers freed first
+    _COUNTS.append(TokenCounts(mesh, slots, vocab))
+    return _COUNTS[0]
+
+
 def token_counts(mesh=None, slots: int = 0, vocab: int = 0) -> TokenCounts:
-    """The engine's TokenCounts, made by the first call (with its sizes)."""
+    """The engine's TokenCounts; made here (with these sizes) if start-up made none."""
     if not _COUNTS:
         _COUNTS.append(TokenCounts(mesh, slots, vocab))
     return _COUNTS[0]

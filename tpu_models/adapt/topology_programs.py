@@ -29,6 +29,34 @@ class Program:
     # Compiled by a warm-up call of a Python function that calls jits (`warm_up` names
     # it), as a TPU compiles them: not ahead of time.
     warm_up: str | None = None
+    # A chip's bytes of its inputs that exist only for the step (logits, ids), beside
+    # what the chip keeps (weights, KV cache, slots): with its temporaries and outputs,
+    # what the program needs beyond them.
+    transient_input_bytes: int = 0
+
+
+# What an abstract input holds when the chip keeps it between steps (adapt.topology
+# labels); any other (a dummy made for precompilation, a warm-up's output) is the step's.
+KEPT = ("weights", "draft weights", "kv_cache", "host inputs")
+
+
+def transient_bytes(*trees) -> int:
+    """A chip's bytes of the step-only inputs among `trees` (the most any chip holds)."""
+    import math
+
+    import jax
+    per_device: dict = {}
+    for x in jax.tree.leaves(trees):
+        if (not isinstance(x, jax.ShapeDtypeStruct) or getattr(x, "holds", None) in KEPT
+                or x.sharding is None):
+            continue
+        try:
+            shard = x.sharding.shard_shape(x.shape)
+        except ValueError:
+            shard = x.shape
+        for d in x.sharding.device_set:
+            per_device[d] = per_device.get(d, 0) + math.prod(shard) * x.dtype.itemsize
+    return max(per_device.values(), default=0)
 
 
 # The programs this process compiled, in precompilation order, and its worker
@@ -101,6 +129,7 @@ def programs_compiled_not_run() -> None:
         PROGRAMS.append(program)
         while isinstance(fn, functools.partial):  # as upstream: the jit's own static args
             args, call_kwargs, fn = fn.args + args, {**fn.keywords, **call_kwargs}, fn.func
+        program.transient_input_bytes = transient_bytes(args, call_kwargs)
         if not hasattr(fn, "lower"):  # its jits compile when the warm-up pass calls it
             PROGRAMS.remove(program)
             self._warmup_tasks.append((program, fn, args, call_kwargs, warmup_handler))
@@ -188,7 +217,8 @@ def warmed_up_jits_compiled() -> None:
             task = WARMING[0]
             name = self.xla_executable.hlo_modules()[0].name.removeprefix("jit_")
             PROGRAMS.append(dataclasses.replace(task, name=f"{task.name} > {name}",
-                                                compiled=self, warm_up=task.name))
+                                                compiled=self, warm_up=task.name,
+                                                transient_input_bytes=transient_bytes(args)))
             holds = WARMING[2]
             return [buffer(aval, sharding, holds or _holds_like(aval, sharding, args))
                     for aval, sharding in zip(self.out_avals, self._out_shardings)]

@@ -1,0 +1,74 @@
+"""Log-probs over a large vocabulary, a piece of rows at a time.
+
+tpu-inference's `compute_and_gather_logprobs` takes the log-softmax of every
+row at once: for prompt log-probs over 1,024 tokens of Gemma 3's 262,144 ids
+that is 1 GiB of float32 and, with top-k and the ranks, 2 GiB of temporaries,
+more than a v5e chip has left beside its KV cache. Here the rows go through in
+pieces of `rows_per_piece(vocab)` (a piece's log-softmax at most PIECE_BYTES), so
+a program's temporaries no longer grow with the rows. Each row's result is what
+upstream's computes: the same operations, on the same row.
+"""
+
+import functools
+
+# The float32 log-softmax of one piece of rows: 64 MiB (64 rows of Gemma 3, 110 of Qwen3).
+PIECE_BYTES = 64 * 2**20
+
+
+def rows_per_piece(vocab: int) -> int:
+    """Rows a piece holds: a power of two, at least 8, its log-softmax within PIECE_BYTES."""
+    rows = max(8, PIECE_BYTES // (4 * vocab))
+    return 1 << (rows.bit_length() - 1)
+
+
+def gather(logits, token_ids, max_logprobs: int):
+    """LogprobsTensors (ids, logprobs, ranks) of each row: the token's own log-prob and
+    rank first, then the top `max_logprobs`; vLLM's definition (v1/sample/sampler.py
+    gather_logprobs), a piece of rows at a time."""
+    import jax
+    import jax.numpy as jnp
+    from vllm.v1.outputs import LogprobsTensors
+
+    rows, vocab = logits.shape
+    piece = rows_per_piece(vocab)
+    if rows <= piece:
+        return LogprobsTensors(*_gather_rows(logits, token_ids, max_logprobs))
+    pieces = -(-rows // piece)
+    pad = pieces * piece - rows
+    logits = jnp.pad(logits, ((0, pad), (0, 0))).reshape(pieces, piece, vocab)
+    token_ids = jnp.pad(token_ids, (0, pad)).reshape(pieces, piece)
+    ids, logprobs, ranks = jax.lax.map(
+        lambda x: _gather_rows(x[0], x[1], max_logprobs), (logits, token_ids))
+    return LogprobsTensors(ids.reshape(-1, ids.shape[-1])[:rows],
+                           logprobs.reshape(-1, logprobs.shape[-1])[:rows],
+                           ranks.reshape(-1)[:rows])
+
+
+def _gather_rows(logits, token_ids, max_logprobs: int):
+    import jax
+    import jax.numpy as jnp
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, k=max_logprobs)
+    token_ids = token_ids[:, None]
+    token_logprobs = jnp.take_along_axis(logprobs, token_ids, axis=-1)
+    ranks = jnp.sum(logprobs >= token_logprobs, axis=-1)
+    ids = jnp.concatenate((token_ids, top_ids), axis=1).astype(jnp.int32)
+    return ids, jnp.concatenate((token_logprobs, top_logprobs), axis=1), ranks
+
+
+@functools.cache
+def programs():
+    """(sampled, prompt): the jitted programs the runner calls in place of upstream's,
+    with its signatures and its replicated outputs."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    @jax.jit(static_argnames=("max_logprobs",), out_shardings=P())
+    def compute_and_gather_logprobs(logits, next_tokens, max_logprobs):
+        return gather(logits, next_tokens, max_logprobs)
+
+    @jax.jit(static_argnames=("max_logprobs",), out_shardings=P())
+    def compute_and_gather_prompt_logprobs(logits, prompt_target_ids, max_logprobs):
+        return gather(logits, prompt_target_ids, max_logprobs)
+
+    return compute_and_gather_logprobs, compute_and_gather_prompt_logprobs
