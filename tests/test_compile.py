@@ -193,6 +193,74 @@ def test_too_large_a_cache_is_refused_naming_the_program_and_what_would_fit(tmp_
     assert output.strip().splitlines()[-1].startswith("compile: cannot run: unknown TPU topology")
 
 
+def shape(tmp_path, name: str, **overrides) -> Path:
+    """A config-only checkpoint of one of the real shapes (no weights: none are read)."""
+    from tpu_models.harness.random_checkpoints import shape_config, word_tokenizer
+    directory = tmp_path / name
+    directory.mkdir()
+    cfg = shape_config(name, **overrides)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    word_tokenizer(cfg["vocab_size"]).save_pretrained(directory)
+    return directory
+
+
+def test_gemma3_prompt_logprobs_temporaries_stay_within_their_share(tmp_path):
+    # Gemma 3 1B's 262,144 ids on two of its layers; prompt log-probs are precompiled
+    # for steps of up to 1,024 tokens. Whole, their log-softmax, top-k and ranks took
+    # 2 x 1,024 x 262,144 x 4 bytes (2 GiB); a piece of 64 rows at a time, four pieces'.
+    from tpu_models import memory
+    from tpu_models.logprobs import PIECE_BYTES
+    vocab, seqs = 262_144, 8
+    model = shape(tmp_path, "gemma3-1b", num_layers=2)
+    status, report, output = compile_(tmp_path, str(model), "--topology", "v5e-1",
+                                      "--max-model-len", "1024", "--max-num-seqs", str(seqs),
+                                      "--max-num-batched-tokens", "1024")
+    assert status == 0, output[-3000:]
+    prompt = programs(report, "compute_and_gather_prompt_logprobs")
+    assert max(p["tokens"] for p in prompt) == 1024
+    assert all(p["temp_bytes"] <= 4 * PIECE_BYTES + (8 << 20) for p in prompt), [
+        (p["tokens"], p["temp_bytes"]) for p in prompt]
+    # The step's float32 logits are its input: 1,024 rows of them.
+    largest = max(prompt, key=lambda p: p["tokens"])
+    assert largest["transient_bytes"] >= 1024 * vocab * 4
+    # One chip's accounting adds up to its HBM, the penalties' counts in it (allocated
+    # at start-up: a row of int32 counts and 32 recent ids a sequence).
+    chip = report["per_chip"]
+    assert chip["buffers"]["penalty counts"] == 4 * seqs * (vocab + 32)
+    assert (chip["weights_bytes"] + chip["kv_cache_bytes"] + sum(chip["buffers"].values())
+            + chip["largest_program_transient_bytes"] + chip["free_bytes"]) == chip["hbm_bytes"]
+    assert sum(chip["weights_by_dtype"].values()) == chip["weights_bytes"]
+    # The engine sized its cache by its own bound on the largest step, which holds
+    # against the compiler's count, and leaves that bound its room.
+    assert chip["largest_step_estimate_bytes"] >= chip["largest_program_transient_bytes"]
+    step = memory.Step(chip["largest_step_estimate_bytes"], "")
+    room = memory.room_beyond_utilization(step, chip["hbm_bytes"], 0.92)
+    assert chip["kv_cache_bytes"] <= (int(chip["hbm_bytes"] * 0.92) - chip["weights_bytes"]
+                                      - chip["other_bytes"] - room)
+    assert report["fits"] and chip["free_bytes"] >= 0
+
+
+@pytest.mark.parametrize("name, length, options", [
+    ("qwen3-8b", "4096", ("--topology v5e-4 --tensor-parallel-size 4", "--quant int8-weight-only")),
+    ("qwen3-32b", "32768", ("--topology v5e-8 --tensor-parallel-size 8",))])
+def test_a_model_too_large_for_a_chip_is_told_what_would_fit(tmp_path, name, length, options):
+    # Refused by the engine's own sizing before any program compiles: the verdict names
+    # HBM and the sizes, and the options are checked by the same arithmetic.
+    status, _, output = compile_(tmp_path, str(shape(tmp_path, name)), "--topology", "v5e-1",
+                                 "--max-model-len", length)
+    assert status == 1, output[-3000:]
+    verdict = output.strip().splitlines()[-1]
+    assert re.match(r"compile: does not fit v5e-1's HBM: 16.00 GiB a chip, 14.72 GiB at "
+                    r"--gpu-memory-utilization 0.92; weights [\d.]+ GiB and buffers [\d.]+ GiB "
+                    rf"a chip leave 0.00 GiB for the KV cache, and one request at --max-model-len "
+                    rf"{int(length):,} needs [\d.]+ GiB \(the weights and buffers alone exceed it\)$",
+                    verdict), verdict
+    advice = output.split("What would fit")[1].rsplit("\ncompile: ", 1)[0]
+    for option in options:
+        assert option in advice, advice
+    assert "--gpu-memory-utilization" not in advice and "increas" not in verdict
+
+
 def _precompiled(log: str) -> Counter:
     """(program, signature) of each `Precompile NAME --> {...}` line a server logged."""
     found = re.findall(r"Precompile (.+?) --> (\{.*?\})(?: \(background\))?$", log, re.MULTILINE)

@@ -73,6 +73,11 @@ def progress(topology: str, every: float = 30.0):
         thread.join()
 
 
+def _label_of(program: programs_.Program) -> str:
+    name = re.sub(r"^worker\d+ ", "", program.name)
+    return f"{name} {program.signature}" if program.signature else name
+
+
 def _cost(compiled) -> dict:
     cost = compiled.cost_analysis()
     return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -85,6 +90,9 @@ def program_entry(program: programs_.Program, bandwidth: float) -> dict:
                            if k not in ("num_tokens", "num_reqs")}}
     if program.warm_up:  # compiled by this warm-up call, as on a TPU
         entry["warm_up"] = re.sub(r"^worker\d+ ", "", program.warm_up)
+    if program.same_as is not None:  # its module is an earlier variant's: compiled once
+        entry["same_program_as"] = _label_of(program.same_as)
+    entry["lowering_seconds"] = round(program.lowering_seconds, 2)
     if program.compiled is None:
         kind = next((name for name, pattern in _LIMITS if pattern.search(program.error or "")),
                     "other")
