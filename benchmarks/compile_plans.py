@@ -48,7 +48,13 @@ DEPLOYMENTS = {
     "gemma3 1B v5e-1 fp8 KV cache": ("gemma3-1b", "v5e-1", [*LONG, "--kv-cache-dtype", "fp8"]),
     "gemma3 1B v5e-1 LoRA": ("gemma3-1b", "v5e-1", [*LONG, "--enable-lora", "--max-loras", "4",
                                                     "--max-lora-rank", "16"]),
+    "gemma3 4B v5e-1": ("gemma3-4b", "v5e-1", LONG),
+    "gemma3 27B v6e-8": ("gemma3-27b", "v6e-8", TP8),
 }
+# The seeds' deployments and tpu-inference CI's Gemma 3 27B: docs/tpu-path.md's table.
+SEEDS = ("qwen3-structural 0.6B", "qwen3-structural 1.7B", "qwen3-structural 4B",
+         "qwen3-structural 8B", "gemma3 1B v5e-1", "gemma3 1B v5e-1 LoRA", "gemma3 4B v5e-1",
+         "gemma3 27B v6e-8")
 
 
 def config_directory(shape: str, directory: Path, architecture: str | None = None) -> Path:
@@ -101,6 +107,11 @@ def summary(name: str, report: dict) -> dict:
             "weights_gib": round(chip["weights_bytes"] / gib, 2),
             "kv_cache_gib": round(chip["kv_cache_bytes"] / gib, 2),
             "largest_temp_gib": round(chip["largest_program_temp_bytes"] / gib, 3),
+            "largest_step_gib": round(chip.get("largest_program_transient_bytes", 0) / gib, 3),
+            "largest_program": chip["largest_program"],
+            "buffers_gib": round(chip["other_bytes"] / gib, 3),
+            "free_gib": round(chip.get("free_bytes", 0) / gib, 3),
+            "what_would_fit": report.get("what_would_fit"),
             "hbm_gib": round(chip["hbm_bytes"] / gib, 2),
             "kv_cache_tokens": report["kv_cache_tokens"],
             "requests_at_max_len": report["max_concurrent_requests"],
@@ -131,6 +142,8 @@ def print_deployments(rows: list[dict]) -> None:
     table = Table(title="Deployments compiled for their TPUs (estimates, not measurements)")
     columns = [("deployment", "deployment"), ("topology", "topology"), ("fits", "fits"),
                ("weights GiB/chip", "weights_gib"), ("KV GiB/chip", "kv_cache_gib"),
+               ("buffers GiB", "buffers_gib"), ("largest step GiB", "largest_step_gib"),
+               ("free GiB", "free_gib"),
                ("KV tokens", "kv_cache_tokens"), ("32K requests", "requests_at_max_len"),
                ("decode est. ms", "decode_estimate_ms"),
                ("roofline 1 req ms", "roofline_one_request_ms"),
@@ -202,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vs-builtin", action="store_true",
                    help="ours against tpu-inference's Qwen3, program by program")
     p.add_argument("--only", help="comma-separated deployment names (default: all)")
+    p.add_argument("--seeds", action="store_true",
+                   help="the seeds' deployments and Gemma 3 27B (docs/tpu-path.md's table)")
     p.add_argument("--out", default="bench-compile.json")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tpu-models-bench-compile-"))
@@ -209,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         result = vs_builtin(work)
         print_vs_builtin(result)
     else:
-        names = args.only.split(",") if args.only else list(DEPLOYMENTS)
+        names = (args.only.split(",") if args.only else list(SEEDS) if args.seeds
+                 else list(DEPLOYMENTS))
         unknown = [n for n in names if n not in DEPLOYMENTS]
         if unknown:
             sys.exit(f"unknown deployments {unknown}: {', '.join(DEPLOYMENTS)}")
