@@ -13,8 +13,23 @@ commands:
            TPU compiler, on any host: HBM per chip, KV capacity, the compiler's cost estimates
   export   convert checkpoints to HF safetensors (maxtext, tunix, lora-merge, gemma3-text)
   inspect  print a checkpoint's format, layout and tensors (HF, MaxText, Tunix, PEFT)
-  bench    benchmarks: serve (vLLM's metrics), compare (vs built-in Qwen3 and transformers),
-           step (decode step vs memory bandwidth), quant (quality and size per quantization preset)
+  bench    benchmarks (tpu-models bench NAME --help; methods and figures: benchmarks/README.md):
+             serve       throughput and latency of a server, vLLM's metrics
+             compare     ours vs tpu-inference's built-in Qwen3 vs transformers generate
+             step        decode-step time of a real-shaped model vs the host's memory bandwidth
+             kv-cache    Gemma 3's hybrid KV cache vs disabled: capacity and speed
+             startup     cold start and warm restart of tpu-models serve
+             spec        speculative decoding on the demo: off, n-gram, EAGLE-3
+             spec-calls  compiled programs launched per EAGLE-3 step
+             lora        adapters chosen per request vs one merged adapter
+             real-scale  real-shaped models served one request at a time
+             ab          this tree against another git revision, both served
+             compile     deployments compiled for their TPUs (estimates)
+             penalties   the same load with and without penalties
+             tunix       Tunix's vLLM rollouts on our Gemma 3 vs Tunix's own sampler
+             quant       quality, weight bytes and speed of each quantization preset
+
+Each command takes --help.
 """
 
 
@@ -57,8 +72,15 @@ def main(argv: list[str] | None = None) -> None:
         from tpu_models.server.tools import export
         export.main(rest)
     elif command == "inspect":
-        if len(rest) != 1 or rest[0].startswith("-"):
-            sys.exit("usage: tpu-models inspect CKPT_DIR|gs://BUCKET/PREFIX")
+        import argparse
+        inspect = argparse.ArgumentParser(
+            prog="tpu-models inspect",
+            description="Print a checkpoint's format (HF safetensors, MaxText or Tunix "
+                        "Orbax, PEFT adapter), its layout (scanned layers or not, LoRA only) "
+                        "and every tensor's name, shape and dtype; nothing is converted. "
+                        "Export it with `tpu-models export`.")
+        inspect.add_argument("checkpoint", metavar="CKPT_DIR|gs://BUCKET/PREFIX")
+        rest = [inspect.parse_args(rest).checkpoint]
         from tpu_models.loaders.hf import CheckpointError
         from tpu_models.loaders.inspect import print_description
         from tpu_models import registry

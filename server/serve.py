@@ -46,8 +46,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tpu-models serve",
         usage="tpu-models serve [MODEL] [options] [vllm serve options]",
-        description="Serve MODEL (an HF checkpoint directory; default: the embedded demo "
-                    "model) with vLLM's TPU backend. Options not listed here go to `vllm serve`.")
+        description="Serve MODEL (an HF checkpoint directory or gs:// / s3:// prefix; default: "
+                    "the embedded demo model) with vLLM's TPU backend: `vllm serve` with "
+                    "MODEL_IMPL_TYPE=flax_nnx. Options not listed here go to `vllm serve` "
+                    "unchanged (`vllm serve --help=all` lists them).",
+        epilog="Defaults it applies: --host 127.0.0.1 (this machine only, unless you pass "
+               "--host). On a host without a TPU also: JAX_PLATFORMS=cpu, --dtype float32 "
+               f"(XLA:CPU bfloat16 matmuls are ~12x slower), --max-num-batched-tokens "
+               f"{CPU_BATCHED_TOKENS}, --max-num-seqs {CPU_MAX_SEQS}, and a KV cache of "
+               "--kv-cache-memory-bytes, else 20% of the host's memory in whole GiB. Any of "
+               "them you pass wins.")
     p.add_argument("--device", choices=["auto", *host.DEVICES], default="auto",
                    help="where JAX runs (auto: TPU if this host has one, else CPU)")
     p.add_argument("--lora", metavar="ADAPTER_DIR",
@@ -69,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
                         "for any model; eagle3, the demo model's trained EAGLE-3 draft (for "
                         "another model pass vLLM's --speculative-config with its draft)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the vllm command and environment instead of running it")
+                   help="print, as shell lines that run it, the environment it would set "
+                        "(export KEY=value) and the vllm command, instead of running it")
     return p
 
 
@@ -230,9 +239,18 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
 
 
 def main(argv: list[str]) -> None:
+    before = dict(os.environ)
     command, env = prepare(argv)
     if "--dry-run" in argv:
-        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
-        print(" ".join(f"{k}={v}" for k, v in sorted(changed.items())), " ".join(command))
+        print(dry_run(command, env, before))
         return
     os.execvpe(command[0], command, env)
+
+
+def dry_run(command: list[str], env: dict, before: dict) -> str:
+    """What serve would run, as shell lines that run it: the environment it sets
+    (`export KEY=value`), then the command, each word quoted."""
+    import shlex
+    changed = {k: v for k, v in env.items() if before.get(k) != v}
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(changed.items())]
+    return "\n".join([*lines, shlex.join(command)])

@@ -9,7 +9,11 @@ inherit them, spawned ones re-import it), and by the plugin
 Imports nothing heavy: it runs before vLLM is imported.
 """
 
+import contextlib
 import logging
+import os
+import sys
+import threading
 import warnings
 
 # Off-TPU only: tpu-inference and vLLM probing for a TPU, a GPU toolchain or
@@ -88,6 +92,38 @@ class _EngineStoppedBySignal(logging.Filter):
             return True
         error = record.exc_info[1] if record.exc_info else None
         return type(error).__name__ != "EngineDeadError"
+
+
+# Printed by torch's gloo groups from C++ for each group vLLM's distributed start-up makes
+# (seven in a one-chip engine), whatever the log level: nothing a user can act on.
+GLOO_CONNECTED = b"[Gloo] Rank "
+
+
+@contextlib.contextmanager
+def stdout_without(prefix: bytes = GLOO_CONNECTED):
+    """This process's standard output, at the file descriptor (C++ writes there too),
+    without the lines that start with `prefix`, while the block runs."""
+    sys.stdout.flush()
+    kept = os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def pump():
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                if not line.startswith(prefix):
+                    os.write(kept, line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(kept, 1)  # the pipe's last writer closed: the pump reads to its end
+        thread.join()
+        os.close(kept)
 
 
 def quiet() -> None:

@@ -22,7 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
-from tpu_models import host, memory
+from tpu_models import host, logs, memory
 from tpu_models.topologies import TOPOLOGIES, UnknownTopology, topology
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
     from tpu_models.server.tools import compile_advice, compile_report
     began = time.perf_counter()
     try:
-        with compile_report.progress(slice_.name):
+        with compile_report.progress(slice_.name), logs.stdout_without(logs.GLOO_CONNECTED):
             config, core = start_engine(model, vllm_args)
     except CannotRun as e:
         sys.exit(_fail(2, f"cannot run: {e}"))

@@ -21,7 +21,8 @@ def parser() -> argparse.ArgumentParser:
     maxtext = sub.add_parser("maxtext", help="a MaxText checkpoint (scanned or not) -> HF")
     maxtext.add_argument("checkpoint", help="MaxText run directory, checkpoints/, <step>/ or "
                                             "items/ (local or gs://)")
-    maxtext.add_argument("--model", required=True, choices=registry.export_names("maxtext"))
+    maxtext.add_argument("--model", required=True, choices=registry.export_names("maxtext"),
+                         help="the architecture the run trained, which picks the name table")
     maxtext.add_argument("--out", required=True, help="directory or gs:// prefix to create")
     maxtext.add_argument("--tokenizer", help="directory with the tokenizer files to ship")
     maxtext.add_argument("--dtype", choices=["bfloat16", "float32"],
