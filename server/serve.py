@@ -226,11 +226,79 @@ def check_model(model: str) -> None:
                  f"--out {model.rstrip('/')}-text")
 
 
+def check_model_path(model: str, vllm_args: list[str]) -> None:
+    """A local MODEL that is no checkpoint vLLM could load, named before it starts (its
+    own error, hundreds of lines later, was about Hugging Face repository ids)."""
+    if is_object_storage(model):
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if any(path.glob("*.safetensors")) or _value(vllm_args, "--load-format") == "dummy":
+            return
+        what = ("only pickle weights (*.bin), which tpu-models never loads"
+                if any(path.glob("*.bin")) else "no *.safetensors weights")
+        raise ValueError(f"{model}: {what}. A directory of config.json and a tokenizer serves "
+                         "random weights with --load-format dummy, and `tpu-models compile` "
+                         "takes it as it is")
+    if path.exists():
+        raise ValueError(f"{model}: not a directory (MODEL is a checkpoint directory)")
+    if model.startswith(("/", ".", "~")) or model.count("/") != 1:
+        raise ValueError(f"{model}: no such directory (MODEL is a checkpoint directory, a "
+                         "gs:// or s3:// prefix, or a Hugging Face repository id)")
+
+
+def check_adapters(lora: str | None, vllm_args: list[str]) -> None:
+    """--lora and --lora-modules adapters read and checked before vLLM starts: seconds,
+    where the engine refused them after compiling."""
+    adapters = [("--lora", None, lora)] if lora else []
+    adapters += [("--lora-modules", name, path) for name, path in _lora_modules(vllm_args)]
+    local = [(flag, name, path) for flag, name, path in adapters if not is_object_storage(path)]
+    if not local:
+        return  # adapters in object storage: the engine reads and checks them
+    from tpu_models.loaders.peft import LoraAdapter
+    max_rank = int(_value(vllm_args, "--max-lora-rank") or 16)  # vLLM's default
+    for flag, name, path in local:
+        named = f"{flag}: LoRA adapter {name!r}" if name else f"{flag}"
+        if not Path(path).is_dir():
+            raise ValueError(f"{named}: {path}: no such directory")
+        try:
+            adapter = LoraAdapter(path)
+        except CheckpointError as e:
+            raise ValueError(f"{named}: {e}") from None
+        if name and adapter.rank > max_rank:
+            raise ValueError(f"{named}: {path}: rank r={adapter.rank} is above --max-lora-rank "
+                             f"{max_rank} (pass --max-lora-rank {adapter.rank})")
+
+
+def _lora_modules(vllm_args: list[str]) -> list[tuple[str, str]]:
+    """(name, path) of each --lora-modules entry: NAME=PATH or vLLM's JSON form."""
+    found, taking = [], False
+    for arg in vllm_args:
+        if arg.startswith("--lora-modules="):
+            arg, taking = arg.split("=", 1)[1], True
+        elif arg == "--lora-modules":
+            taking = True
+            continue
+        elif arg.startswith("-"):
+            taking = False
+        if not taking:
+            continue
+        if arg.lstrip().startswith("{"):
+            entry = json.loads(arg)
+            found.append((entry.get("name"), entry.get("path")))
+        elif "=" in arg:
+            found.append(tuple(arg.split("=", 1)))
+    return found
+
+
 def prepare(argv: list[str]) -> tuple[list[str], dict]:
-    """vLLM's command line and environment for `tpu-models serve ARGV`, the model
-    checked; this process's environment updated to it. Exits naming the fault."""
+    """vLLM's command line and environment for `tpu-models serve ARGV`, the model and
+    adapters checked; this process's environment updated to it. Exits naming the fault."""
     try:
         command, env = build_command(argv, os.environ)
+        model, vllm_args = command[4], command[5:]
+        check_model_path(model, vllm_args)
+        check_adapters(_value(argv, "--lora"), vllm_args)
     except (quant_rules.RulesError, ValueError) as e:
         sys.exit(f"tpu-models serve: {e}")
     os.environ.update(env)  # the storage emulator's settings, if any; exec'd with them next

@@ -165,3 +165,17 @@ def test_xla_cpu_sizes_its_pool_from_nproc():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == "1"
+
+
+@pytest.mark.e2e
+def test_the_penalties_counts_are_allocated_before_the_kv_cache_is_sized(demo_server):
+    # On the shared demo server (64 sequences, 1,024 ids): a request with a penalty uses
+    # the counts start-up allocated, before the cache took its share; none come later.
+    demo_server.client().completions.create(model="qwen3-structural-demo", prompt="Lena works",
+                                            max_tokens=4, presence_penalty=0.5)
+    log = demo_server.output()
+    counts = re.findall(r"tpu-models: ([\d.]+) GiB a chip for the penalties' counts "
+                        r"\((\d+) sequences x (\d+) ids\), allocated before the KV cache is sized",
+                        log)
+    assert [(n, ids) for _, n, ids in counts] == [("64", "1024")], counts
+    assert log.index("for the penalties' counts") < log.index("KV cache size: ")
