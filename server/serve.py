@@ -247,9 +247,10 @@ def check_model_path(model: str, vllm_args: list[str]) -> None:
                          "gs:// or s3:// prefix, or a Hugging Face repository id)")
 
 
-def check_adapters(lora: str | None, vllm_args: list[str]) -> None:
-    """--lora and --lora-modules adapters read and checked before vLLM starts: seconds,
-    where the engine refused them after compiling."""
+def check_adapters(model: str, lora: str | None, vllm_args: list[str]) -> None:
+    """--lora and --lora-modules adapters read and checked before vLLM starts, against
+    the base checkpoint's tensors where it is on this machine: seconds, where the
+    engine refused them after compiling."""
     adapters = [("--lora", None, lora)] if lora else []
     adapters += [("--lora-modules", name, path) for name, path in _lora_modules(vllm_args)]
     local = [(flag, name, path) for flag, name, path in adapters if not is_object_storage(path)]
@@ -257,17 +258,33 @@ def check_adapters(lora: str | None, vllm_args: list[str]) -> None:
         return  # adapters in object storage: the engine reads and checks them
     from tpu_models.loaders.peft import LoraAdapter
     max_rank = int(_value(vllm_args, "--max-lora-rank") or 16)  # vLLM's default
+    base = _tensor_shapes(model)
     for flag, name, path in local:
         named = f"{flag}: LoRA adapter {name!r}" if name else f"{flag}"
         if not Path(path).is_dir():
             raise ValueError(f"{named}: {path}: no such directory")
         try:
             adapter = LoraAdapter(path)
+            if base:
+                adapter.check_base(base)
         except CheckpointError as e:
             raise ValueError(f"{named}: {e}") from None
         if name and adapter.rank > max_rank:
             raise ValueError(f"{named}: {path}: rank r={adapter.rank} is above --max-lora-rank "
                              f"{max_rank} (pass --max-lora-rank {adapter.rank})")
+
+
+def _tensor_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of a local checkpoint's safetensors tensors (headers only)."""
+    from safetensors import safe_open
+    path = Path(model)
+    if is_object_storage(model) or not path.is_dir():
+        return {}
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "np") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
 
 
 def _lora_modules(vllm_args: list[str]) -> list[tuple[str, str]]:
@@ -298,7 +315,7 @@ def prepare(argv: list[str]) -> tuple[list[str], dict]:
         command, env = build_command(argv, os.environ)
         model, vllm_args = command[4], command[5:]
         check_model_path(model, vllm_args)
-        check_adapters(_value(argv, "--lora"), vllm_args)
+        check_adapters(model, _value(argv, "--lora"), vllm_args)
     except (quant_rules.RulesError, ValueError) as e:
         sys.exit(f"tpu-models serve: {e}")
     os.environ.update(env)  # the storage emulator's settings, if any; exec'd with them next

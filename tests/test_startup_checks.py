@@ -57,3 +57,12 @@ def test_an_adapter_above_max_lora_rank_is_refused_before_anything_compiles(qwen
     entry = json.dumps({"name": "wide", "path": str(adapter)})
     status, last, _ = serve(str(qwen3), "--enable-lora", "--lora-modules", entry)
     assert status != 0 and "LoRA adapter 'wide'" in last and "r=32" in last
+
+
+def test_an_adapter_for_another_model_is_refused_against_the_base_checkpoint(qwen3, gemma3,
+                                                                              tmp_path):
+    adapter = make_lora(gemma3, tmp_path / "for-gemma3", r=4)
+    status, last, seconds = serve(str(qwen3), "--lora", str(adapter))
+    assert status != 0 and seconds < 60
+    assert last.startswith(f"tpu-models serve: --lora: LoRA adapter {adapter}: ")
+    assert "adapter trained for another model?" in last
