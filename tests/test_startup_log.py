@@ -57,6 +57,30 @@ def test_filters_drop_only_the_named_messages(monkeypatch):
             "Attempted to load weight w with dtype torch.bfloat16 into parameter with dtype float32"]
 
 
+def test_a_healthy_logs_lines_a_user_cannot_act_on(monkeypatch):
+    import resource
+    logs.quiet()
+    # The KV cache's device is this host's, not the platform's type.
+    assert records_through("vllm.v1.metrics.loggers", (
+        "Engine 000: Avg prompt throughput: %.1f tokens/s, %s KV cache usage: %.1f%%", 1.0,
+        "TPU", 2.0)) == ["Engine 000: Avg prompt throughput: 1.0 tokens/s, CPU KV cache usage: 2.0%"]
+    # vLLM's ulimit warning, at the hard limit already (this host's 20,000): dropped;
+    # below a hard limit that could be raised, kept.
+    warning = ("Found ulimit of %s and failed to automatically increase with error %s.", 20000, "e")
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (20000, 20000))
+    assert records_through("vllm.utils.system_utils", warning) == []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 20000))
+    assert len(records_through("vllm.utils.system_utils", warning)) == 1
+    # torch's gloo groups print from C++ to the file descriptor: filtered there.
+    script = ("import os\nfrom tpu_models import logs\n"
+              "with logs.stdout_without(logs.GLOO_CONNECTED):\n"
+              "    os.write(1, b'[Gloo] Rank 0 is connected to 0 peer ranks.\\nkept\\n')\n"
+              "print('after')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout == "kept\nafter\n", done.stdout + done.stderr
+
+
 def test_a_dead_engine_is_reported_unless_a_signal_stopped_the_server(monkeypatch):
     from vllm.v1.engine.exceptions import EngineDeadError
 

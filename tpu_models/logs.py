@@ -126,6 +126,32 @@ def stdout_without(prefix: bytes = GLOO_CONNECTED):
         os.close(kept)
 
 
+class _KvCacheOnThisHost(logging.Filter):
+    """vLLM's stats line names the KV cache's device by the platform's type, "TPU KV
+    cache usage", also where the cache is in this host's memory: it names the host's."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = device
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "KV cache usage" in str(record.msg) and isinstance(record.args, tuple):
+            record.args = tuple(self.device if a == "TPU" else a for a in record.args)
+        return True
+
+
+class _UlimitAtItsHardLimit(logging.Filter):
+    """vLLM asks for 65,535 open files and warns when the hard limit is lower. At the
+    hard limit already, and with thousands of files, there is nothing to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Found ulimit of"):
+            return True
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return not (soft == hard and soft >= 4096)
+
+
 def quiet() -> None:
     """Installs the filters in this process (idempotent)."""
     from tpu_models.host import compile_target, host_platform  # standard library only
@@ -134,7 +160,10 @@ def quiet() -> None:
     filters = [(name, _DropMessages(prefixes))
                for table in ([ALWAYS, OFF_TPU] if off_tpu else [ALWAYS])
                for name, prefixes in table.items()]
-    filters += [("vllm.model_executor.models.utils", _SameDtype()),
+    if host_platform() is not None:
+        filters.append(("vllm.v1.metrics.loggers", _KvCacheOnThisHost(host_platform().upper())))
+    filters += [("vllm.utils.system_utils", _UlimitAtItsHardLimit()),
+                ("vllm.model_executor.models.utils", _SameDtype()),
                 ("vllm.entrypoints.launchers.launcher", _ShutdownWatch()),
                 ("vllm.v1.engine.async_llm", _EngineStoppedBySignal())]
     for name, new in filters:
