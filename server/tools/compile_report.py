@@ -20,8 +20,8 @@ _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNO
            ("SMEM", re.compile(r"smem", re.IGNORECASE)), ("Mosaic", re.compile(r"Mosaic")))
 # An HLO instruction's opcode: "%x = bf16[8,1024]{1,0} dot(%a, %b), ..."
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = .*?\s([a-z][\w-]*)\(", re.MULTILINE)
-_COLLECTIVE = {name: re.compile(rf"\b{name}(-start)?\(") for name in (
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+# Collectives by opcode (an asynchronous one as its -start).
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @contextlib.contextmanager
@@ -98,8 +98,8 @@ def program_entry(program: programs_.Program, bandwidth: float) -> dict:
                     "other")
         return {**entry, "error": program.error, "error_kind": kind}
     cost, memory = _cost(program.compiled), program.compiled.memory_analysis()
-    hlo = program.compiled.as_text()
-    counts = {name: len(pattern.findall(hlo)) for name, pattern in _COLLECTIVE.items()}
+    ops = _hlo_ops(program.compiled.as_text())
+    counts = {name: ops.get(name, 0) + ops.get(f"{name}-start", 0) for name in COLLECTIVES}
     return {**entry, "flops": cost.get("flops", 0.0),
             "bytes_accessed": cost.get("bytes accessed", 0.0),
             # libtpu's optimal_seconds is these bytes over the chip's bandwidth where it is
@@ -109,7 +109,7 @@ def program_entry(program: programs_.Program, bandwidth: float) -> dict:
             "all_reduces": counts["all-reduce"], "all_gathers": counts["all-gather"],
             "other_collectives": sum(counts.values()) - counts["all-reduce"]
             - counts["all-gather"],
-            "hlo_ops": _hlo_ops(hlo),
+            "hlo_ops": ops,
             "argument_bytes": memory.argument_size_in_bytes,
             "output_bytes": memory.output_size_in_bytes,
             "temp_bytes": memory.temp_size_in_bytes,
