@@ -10,7 +10,9 @@ background once the server is ready; until one is compiled, a step pads to the
 next compiled bucket. Figures: benchmarks/README.md (bench startup).
 """
 
+import atexit
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -148,15 +150,20 @@ def _compile_in_background(manager, runner, rest: list[int]) -> threading.Thread
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           runner.kv_caches)
     log = _logger()
+    # An engine in the caller's process (vllm.LLM in-process, Tunix's rollouts) shares
+    # its output with the caller's script: the background's lines go to debug there.
+    level = logging.DEBUG if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else logging.INFO
 
     def compile_now(name, fn, *args, call_kwargs={}, warmup_handler=None, **described):
         # Upstream's line for each program it precompiles, marked as ours.
-        log.info("Precompile %s --> %s (background)", name, _describe_signature(described))
+        log.log(level, "Precompile %s --> %s (background)", name, _describe_signature(described))
         with jax.set_mesh(runner.mesh):
             fn.lower(*args, **call_kwargs).compile()
+        if stop.is_set():  # exiting: the engine steps no more, and says nothing after
+            return
         bucket = args[2].shape[0]
         runner.num_tokens_paddings_per_dp = sorted({*runner.num_tokens_paddings_per_dp, bucket})
-        log.info("tpu-models: token bucket %d compiled (background)", bucket)
+        log.log(level, "tpu-models: token bucket %d compiled (background)", bucket)
 
     def run():
         # Below the engine's threads: a request waits as little as possible for the
@@ -165,6 +172,8 @@ def _compile_in_background(manager, runner, rest: list[int]) -> threading.Thread
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         began = time.perf_counter()
         for bucket in rest:  # smallest first: decodes of a few requests come first
+            if stop.is_set():  # the process is exiting
+                return
             view = CompilationManager.__new__(CompilationManager)
             view.runner = _RunnerView(runner, [bucket], shapes)
             view._run_compilation = compile_now
@@ -173,12 +182,23 @@ def _compile_in_background(manager, runner, rest: list[int]) -> threading.Thread
             except Exception as e:  # the bucket stays unused: steps pad past it
                 log.warning("tpu-models: token bucket %d did not compile in the background "
                             "(%r); steps pad past it", bucket, e)
-        log.info("tpu-models: all token buckets compiled (%.1f s in the background)",
-                 time.perf_counter() - began)
+        if not stop.is_set():
+            log.log(level, "tpu-models: all token buckets compiled (%.1f s in the background)",
+                    time.perf_counter() - began)
 
+    stop = threading.Event()
     thread = threading.Thread(target=run, name="tpu-models-buckets", daemon=True)
     thread.start()
+    # At exit the bucket being compiled is finished and no other is started: a daemon
+    # thread still inside XLA while the interpreter tears down aborted the process (an
+    # in-process vllm.LLM, Tunix's rollouts), status 134 or 139.
+    atexit.register(_stopped, stop, thread)
     return thread
+
+
+def _stopped(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join()
 
 
 def buckets_after_ready() -> None:
