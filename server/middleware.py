@@ -26,8 +26,9 @@ class TpuModels:
 
 
 class ReadyLine:
-    """Logs "tpu-models: ready: MODEL (DTYPE, PLATFORM), KV cache N tokens,
-    C requests at --max-model-len L, URL" when the API server's start-up ends."""
+    """Logs "tpu-models: ready: MODEL (DTYPE, PLATFORM, attention KERNEL[, Qwix TYPES][,
+    KV cache DTYPE]), KV cache N tokens, C requests at --max-model-len L, URL" when the
+    API server's start-up ends."""
 
     def __init__(self, app):
         self.app = app
@@ -60,9 +61,22 @@ def _log_ready(state) -> None:
                   "to the next compiled one)"
                   if compilation.background_buckets(config) else "")
     init_logger("tpu_models.ready").info(
-        "tpu-models: ready: %s (%s, %s, attention %s), %s, %s%s", model.served_model_name,
-        str(model.dtype).removeprefix("torch."), platform, host.attention_mode(), capacity,
+        "tpu-models: ready: %s (%s), %s, %s%s", model.served_model_name,
+        ", ".join([str(model.dtype).removeprefix("torch."), platform,
+                   f"attention {host.attention_mode()}", *_quantization(config)]), capacity,
         os.environ.get(URL_ENV, "see 'Starting vLLM server on' above"), background)
+
+
+def _quantization(config) -> list[str]:
+    """What --quant and --kv-cache-dtype changed: the Qwix rules' types, the cache's."""
+    rules = ((config.additional_config or {}).get("quantization") or {}).get("qwix", {}).get(
+        "rules", [])
+    kinds = sorted({f"{what} {rule[f'{what}_qtype']}" for rule in rules
+                    for what in ("weight", "act") if rule.get(f"{what}_qtype")})
+    described = [f"Qwix {', '.join(kinds)}"] if kinds else []
+    if config.cache_config.cache_dtype not in (None, "auto"):
+        described.append(f"KV cache {config.cache_config.cache_dtype}")
+    return described
 
 
 class RequireUtf8Body:

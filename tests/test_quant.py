@@ -560,8 +560,13 @@ def test_preset_served_by_vllm_within_bounds(index, served, expectations):
     server = served.server(index)
     try:
         assert "Applying Qwix quantization" in server.output()
-        if env:  # the ready line names the attention path
-            assert f"attention {env['TPU_MODELS_ATTENTION']})" in server.output()
+        # The ready line names the attention path, the preset's types and the cache's.
+        weights = {"int8-weight-only": "weight int8", "int8": "act int8, weight int8",
+                   "fp8": "act float8_e4m3fn, weight float8_e4m3fn",
+                   "int4-weight-only": "weight int4"}[preset]
+        said = f"attention {env.get('TPU_MODELS_ATTENTION', 'portable')}, Qwix {weights}"
+        said += ", KV cache fp8)" if "fp8" in extra else ")"
+        assert said in server.output(), said
         log_probs = served_log_probs(server, expected["sequences"], expected["vocab_size"])
         greedy = served_greedy(server, expected["prompts"], GREEDY_TOKENS)
     finally:
