@@ -49,14 +49,14 @@ def write_checkpoint(directory: Path, config: dict) -> tuple[int, int]:
     """Random weights in MaxText's scanned layout; returns (total bytes, largest leaf bytes)."""
     import orbax.checkpoint as ocp
 
-    from tpu_models.harness.random_checkpoints import hf_to_maxtext
+    from tpu_models.loaders.maxtext import to_maxtext_tree
     from tpu_models import registry
 
     arch = registry.by_export_name("qwen3-structural")
     rng = np.random.default_rng(0)
     hf = {name: rng.standard_normal(shape, dtype=np.float32) * 0.02
           for name, shape in arch.hf_table(config)[0].items()}
-    tree = hf_to_maxtext(hf, arch.maxtext, config, scanned=True)
+    tree = to_maxtext_tree(hf, arch.maxtext, config, scanned=True)
     del hf
     leaves = []
 

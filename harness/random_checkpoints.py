@@ -1,12 +1,7 @@
-"""Random-weight HF checkpoints of a given shape, for benchmarks (no hub access), and
-HF tensors laid out as MaxText stores them (test fixtures, export benchmarks)."""
+"""Random-weight HF checkpoints of a given shape, for benchmarks (no hub access)."""
 
 import json
 from pathlib import Path
-
-import numpy as np
-
-from tpu_models.loaders.maxtext import Layout
 
 
 def word_tokenizer(vocab_size: int):
@@ -131,41 +126,3 @@ def shape_config(shape: str, **overrides) -> dict:
     fields.setdefault("tie_word_embeddings", True)
     config = Qwen3Config(num_hidden_layers=layers, **fields).to_dict()
     return config | {"architectures": ["Qwen3StructuralForCausalLM"]}
-
-
-def hf_to_maxtext(hf: dict[str, np.ndarray], mapping, config: dict, *,
-                  scanned: bool, scan_axis: int = 1) -> dict:
-    """MaxText's Linen parameter tree (below params/params) for HF tensors: the
-    inverse of MaxTextCheckpoint.rules, for test fixtures and benchmarks."""
-    num_layers = config["num_hidden_layers"]
-    sizes = {"n": config["num_attention_heads"], "k": config["num_key_value_heads"],
-             "h": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]}
-    period = mapping.scan_period if scanned else 0
-    blocks = num_layers // period if period else 0
-    layout = Layout(scanned, num_layers, period, blocks, scan_axis)
-    flat: dict[str, np.ndarray] = {}
-    stacks: dict[str, dict[int, np.ndarray]] = {}
-    for name, rule in mapping.globals(config["hidden_size"]).items():
-        if name in hf:
-            flat[rule.source] = rule.to_source_array(hf[name], sizes)
-    for name in mapping.dense_heads:
-        flat[f"decoder/{name}/kernel"] = hf[f"{name}.weight"].T.copy()
-        flat[f"decoder/{name}/bias"] = hf[f"{name}.bias"]
-    for i in range(num_layers):
-        place, index = layout.place(i)
-        for suffix, rule in mapping.layer_rules(config.get("attention_bias", False)).items():
-            array = rule.to_source_array(hf[f"model.layers.{i}.{suffix}"], sizes)
-            if index is None:
-                flat[f"{place}/{rule.source}"] = array
-            else:
-                stacks.setdefault(f"{place}/{rule.source}", {})[index] = array
-    for leaf, parts in stacks.items():
-        flat[leaf] = np.stack([parts[i] for i in range(len(parts))], axis=scan_axis)
-    tree: dict = {}
-    for leaf, array in flat.items():
-        node = tree
-        *parents, last = leaf.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = np.ascontiguousarray(array)
-    return tree

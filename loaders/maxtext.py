@@ -22,7 +22,7 @@ Each architecture's mapping (MaxTextMapping, in tpu_models/<arch>/checkpoints.py
 names its layer's leaves and conventions; Dense layers our fork adds (the
 structural head) are found wherever they sit: any `.../structural_head/{kernel, bias}`.
 
-The same tables, read backwards (`tpu_models.harness.random_checkpoints.hf_to_maxtext`),
+The same tables, read backwards (`to_maxtext_tree`),
 write MaxText's layout from HF tensors; the tests build fixtures that way.
 """
 
@@ -216,3 +216,41 @@ class MaxTextCheckpoint:
             rules.update(self.dense_head(name))
         return rules
 
+
+def to_maxtext_tree(hf: dict[str, np.ndarray], mapping, config: dict, *,
+                  scanned: bool, scan_axis: int = 1) -> dict:
+    """MaxText's Linen parameter tree (below params/params) for HF tensors: the
+    inverse of MaxTextCheckpoint.rules (test fixtures, benchmarks, `tpu-models
+    export examples`)."""
+    num_layers = config["num_hidden_layers"]
+    sizes = {"n": config["num_attention_heads"], "k": config["num_key_value_heads"],
+             "h": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]}
+    period = mapping.scan_period if scanned else 0
+    blocks = num_layers // period if period else 0
+    layout = Layout(scanned, num_layers, period, blocks, scan_axis)
+    flat: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, rule in mapping.globals(config["hidden_size"]).items():
+        if name in hf:
+            flat[rule.source] = rule.to_source_array(hf[name], sizes)
+    for name in mapping.dense_heads:
+        flat[f"decoder/{name}/kernel"] = hf[f"{name}.weight"].T.copy()
+        flat[f"decoder/{name}/bias"] = hf[f"{name}.bias"]
+    for i in range(num_layers):
+        place, index = layout.place(i)
+        for suffix, rule in mapping.layer_rules(config.get("attention_bias", False)).items():
+            array = rule.to_source_array(hf[f"model.layers.{i}.{suffix}"], sizes)
+            if index is None:
+                flat[f"{place}/{rule.source}"] = array
+            else:
+                stacks.setdefault(f"{place}/{rule.source}", {})[index] = array
+    for leaf, parts in stacks.items():
+        flat[leaf] = np.stack([parts[i] for i in range(len(parts))], axis=scan_axis)
+    tree: dict = {}
+    for leaf, array in flat.items():
+        node = tree
+        *parents, last = leaf.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = np.ascontiguousarray(array)
+    return tree

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from tpu_models.loaders.exporter.convert import maxtext
 from tpu_models.loaders.hf import CheckpointError, HfCheckpoint
-from tpu_models.harness.random_checkpoints import hf_to_maxtext
+from tpu_models.loaders.maxtext import to_maxtext_tree
 from tpu_models.registry import by_export_name as arch
 from tpu_models.harness.stepper import Stepper
 from tests.tiny import Reference, make_gemma3, make_qwen3, make_tokenizer
@@ -166,7 +166,7 @@ def test_round_trip_hf_maxtext_hf(model, tmp_path):
     original = hf_tensors(source)
     exports = {}
     for scanned in (True, False):
-        tree = hf_to_maxtext(original, arch(model).maxtext, config, scanned=scanned)
+        tree = to_maxtext_tree(original, arch(model).maxtext, config, scanned=scanned)
         run = save_maxtext(tmp_path / f"run-{scanned}", tree)
         exports[scanned] = maxtext(run, arch(model), tmp_path / f"out-{scanned}",
                                    overrides=overrides, tokenizer=source)
@@ -197,7 +197,7 @@ def small_run(tmp_path_factory):
 
 def test_bad_trees_are_refused_naming_the_tensor(small_run, tmp_path):
     source, config, original = small_run
-    tree = hf_to_maxtext(original, arch("qwen3-structural").maxtext, config, scanned=False)
+    tree = to_maxtext_tree(original, arch("qwen3-structural").maxtext, config, scanned=False)
     del tree["decoder"]["layers_1"]["mlp"]["wo"]
     tree["decoder"]["layers_0"]["extra"] = {"kernel": np.zeros((2, 2), np.float32)}
     with pytest.raises(CheckpointError) as error:
@@ -212,7 +212,7 @@ def test_bad_trees_are_refused_naming_the_tensor(small_run, tmp_path):
 def test_scanned_given_as_unscanned_and_wrong_sizes(small_run, tmp_path):
     source, config, original = small_run
     mapping = arch("qwen3-structural").maxtext
-    run = save_maxtext(tmp_path / "run", hf_to_maxtext(original, mapping, config, scanned=True))
+    run = save_maxtext(tmp_path / "run", to_maxtext_tree(original, mapping, config, scanned=True))
     with pytest.raises(CheckpointError, match="is scanned .* not unscanned"):
         maxtext(run, arch("qwen3-structural"), tmp_path / "out", scan="unscanned")
     with pytest.raises(CheckpointError, match="num_hidden_layers=3 but the checkpoint holds "
@@ -229,7 +229,7 @@ def test_scanned_given_as_unscanned_and_wrong_sizes(small_run, tmp_path):
 def test_truncated_checkpoint_and_existing_output(small_run, tmp_path):
     source, config, original = small_run
     mapping = arch("qwen3-structural").maxtext
-    run = save_maxtext(tmp_path / "run", hf_to_maxtext(original, mapping, config, scanned=False))
+    run = save_maxtext(tmp_path / "run", to_maxtext_tree(original, mapping, config, scanned=False))
     for data in (run / "checkpoints" / "0" / "items").rglob("d/*"):
         data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])
     with pytest.raises(CheckpointError, match="cannot read"):

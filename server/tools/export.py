@@ -58,6 +58,11 @@ def parser() -> argparse.ArgumentParser:
             text.add_argument("source", help=f"{mm.hf_name} checkpoint directory")
             text.add_argument("--out", required=True, help="directory to create")
             text.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    examples = sub.add_parser(
+        "examples", help="small, real MaxText (unscanned and scanned) and Tunix (full and "
+                         "LoRA) checkpoints from the demo's weights, to try the others on "
+                         "(docs/export.md)")
+    examples.add_argument("out", help="directory to write them into")
     return p
 
 
@@ -100,6 +105,17 @@ def main(argv: list[str]) -> None:
                         arch=registry.for_checkpoint(args.base), lora_alpha=args.lora_alpha,
                         adapter_only=args.adapter_only, dtype=args.dtype,
                         overwrite=args.overwrite, progress="tunix -> HF")
+        elif args.kind == "examples":
+            from tpu_models.loaders.exporter.examples import write_examples
+            from tpu_models.server.serve import DEFAULT_MODEL
+            demo = registry.for_checkpoint(DEFAULT_MODEL)
+            qwen3 = registry.by_export_name("qwen3")
+            config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+            for path in write_examples(DEFAULT_MODEL, args.out, maxtext=demo.maxtext,
+                                       tunix=qwen3.tunix,
+                                       base_shapes=qwen3.hf_table(config)[0]):
+                print(f"wrote {path}")
+            return
         else:  # a multimodal release's language model
             from tpu_models.loaders.exporter.convert import text_only
             arch = next(a for a in registry.architectures()
