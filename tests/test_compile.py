@@ -205,13 +205,15 @@ def shape(tmp_path, name: str, **overrides) -> Path:
 
 
 def test_gemma3_prompt_logprobs_temporaries_stay_within_their_share(tmp_path):
-    # Gemma 3 1B's 262,144 ids on two of its layers; prompt log-probs are precompiled
-    # for steps of up to 1,024 tokens. Whole, their log-softmax, top-k and ranks took
-    # 2 x 1,024 x 262,144 x 4 bytes (2 GiB); a piece of 64 rows at a time, four pieces'.
+    # Gemma 3 1B on two of its layers, with Gemma 3 4B's 262,208 ids (no multiple of the
+    # TPU's 128 lanes: a reshape of the logits into pieces copied them all); prompt
+    # log-probs are precompiled for steps of up to 1,024 tokens. Whole, their
+    # log-softmax, top-k and ranks took 2 x 1,024 x 262,208 x 4 bytes (2 GiB); a piece
+    # of 32 rows at a time, a few pieces'.
     from tpu_models import memory
     from tpu_models.logprobs import PIECE_BYTES
-    vocab, seqs = 262_144, 8
-    model = shape(tmp_path, "gemma3-1b", num_layers=2)
+    vocab, seqs = 262_208, 8
+    model = shape(tmp_path, "gemma3-1b", num_layers=2, vocab_size=vocab)
     status, report, output = compile_(tmp_path, str(model), "--topology", "v5e-1",
                                       "--max-model-len", "1024", "--max-num-seqs", str(seqs),
                                       "--max-num-batched-tokens", "1024")

@@ -33,15 +33,22 @@ def gather(logits, token_ids, max_logprobs: int):
     piece = rows_per_piece(vocab)
     if rows <= piece:
         return LogprobsTensors(*_gather_rows(logits, token_ids, max_logprobs))
-    pieces = -(-rows // piece)
-    pad = pieces * piece - rows
-    logits = jnp.pad(logits, ((0, pad), (0, 0))).reshape(pieces, piece, vocab)
-    token_ids = jnp.pad(token_ids, (0, pad)).reshape(pieces, piece)
-    ids, logprobs, ranks = jax.lax.map(
-        lambda x: _gather_rows(x[0], x[1], max_logprobs), (logits, token_ids))
-    return LogprobsTensors(ids.reshape(-1, ids.shape[-1])[:rows],
-                           logprobs.reshape(-1, logprobs.shape[-1])[:rows],
-                           ranks.reshape(-1)[:rows])
+    # Pieces are sliced where they lie (a reshape or pad of the logits would copy them
+    # all: vocabularies such as 262,208 are no multiple of the TPU's 128 lanes). The
+    # last piece ends at the last row, overlapping the one before: those rows are
+    # computed twice, to the same values.
+    width = max_logprobs + 1
+    out = (jnp.zeros((rows, width), jnp.int32), jnp.zeros((rows, width), jnp.float32),
+           jnp.zeros((rows,), jnp.int32))
+
+    def one_piece(i, out):
+        start = jnp.minimum(i * piece, rows - piece)
+        found = _gather_rows(jax.lax.dynamic_slice_in_dim(logits, start, piece),
+                             jax.lax.dynamic_slice_in_dim(token_ids, start, piece), max_logprobs)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, f.astype(o.dtype), start, 0)
+                     for o, f in zip(out, found))
+
+    return LogprobsTensors(*jax.lax.fori_loop(0, -(-rows // piece), one_piece, out))
 
 
 def _gather_rows(logits, token_ids, max_logprobs: int):
