@@ -70,6 +70,7 @@ def main(argv: list[str]) -> None:
     except (UnknownTopology, ValueError, host.AttentionModeError) as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
     from tpu_models.server.tools import compile_advice, compile_report
+    compile_report.keep_hlo_text(bool(args.dump_hlo))
     began = time.perf_counter()
     try:
         with compile_report.progress(slice_.name), logs.stdout_without(logs.GLOO_CONNECTED):

@@ -18,8 +18,6 @@ from tpu_models.adapt import topology as abstract, topology_programs as programs
 # What a compiler refusal ran out of, by its message.
 _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNORECASE)),
            ("SMEM", re.compile(r"smem", re.IGNORECASE)), ("Mosaic", re.compile(r"Mosaic")))
-# An HLO instruction's opcode: "%x = bf16[8,1024]{1,0} dot(%a, %b), ..."
-_OPCODE = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = .*?\s([a-z][\w-]*)\(", re.MULTILINE)
 # Collectives by opcode (an asynchronous one as its -start).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -39,7 +37,7 @@ def progress(topology: str, every: float = 30.0):
 
     def status() -> str:
         programs = list(programs_.PROGRAMS)
-        done = sum(p.compiled is not None or p.error is not None for p in programs)
+        done = sum(p.costs is not None or p.error is not None for p in programs)
         latest = re.sub(r"^worker\d+ ", "", programs[-1].name) if programs else "building the model"
         return f"compiling for {topology}: {done} of {len(programs)} programs, now {latest}"
 
@@ -78,11 +76,6 @@ def _label_of(program: programs_.Program) -> str:
     return f"{name} {program.signature}" if program.signature else name
 
 
-def _cost(compiled) -> dict:
-    cost = compiled.cost_analysis()
-    return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-
-
 def program_entry(program: programs_.Program, bandwidth: float) -> dict:
     entry = {"name": re.sub(r"^worker\d+ ", "", program.name), "tokens": program.signature.get("num_tokens"),
              "requests": program.signature.get("num_reqs"),
@@ -93,48 +86,44 @@ def program_entry(program: programs_.Program, bandwidth: float) -> dict:
     if program.same_as is not None:  # its module is an earlier variant's: compiled once
         entry["same_program_as"] = _label_of(program.same_as)
     entry["lowering_seconds"] = round(program.lowering_seconds, 2)
-    if program.compiled is None:
+    if program.costs is None:
         kind = next((name for name, pattern in _LIMITS if pattern.search(program.error or "")),
                     "other")
         return {**entry, "error": program.error, "error_kind": kind}
-    cost, memory = _cost(program.compiled), program.compiled.memory_analysis()
-    ops = _hlo_ops(program.compiled.as_text())
+    costs = program.costs
+    ops = costs.hlo_ops
     counts = {name: ops.get(name, 0) + ops.get(f"{name}-start", 0) for name in COLLECTIVES}
-    return {**entry, "flops": cost.get("flops", 0.0),
-            "bytes_accessed": cost.get("bytes accessed", 0.0),
+    return {**entry, "flops": costs.flops, "bytes_accessed": costs.bytes_accessed,
             # libtpu's optimal_seconds is these bytes over the chip's bandwidth where it is
             # sane; for 8B-sized steps it read -36 s. The arithmetic is done here.
-            "estimated_seconds": cost.get("bytes accessed", 0.0) / bandwidth,
-            "compiler_optimal_seconds": cost.get("optimal_seconds"),
+            "estimated_seconds": costs.bytes_accessed / bandwidth,
+            "compiler_optimal_seconds": costs.optimal_seconds,
             "all_reduces": counts["all-reduce"], "all_gathers": counts["all-gather"],
             "other_collectives": sum(counts.values()) - counts["all-reduce"]
             - counts["all-gather"],
             "hlo_ops": ops,
-            "argument_bytes": memory.argument_size_in_bytes,
-            "output_bytes": memory.output_size_in_bytes,
-            "temp_bytes": memory.temp_size_in_bytes,
+            "argument_bytes": costs.argument_bytes,
+            "output_bytes": costs.output_bytes,
+            "temp_bytes": costs.temp_bytes,
             # What it needs beside the chip's buffers: temporaries, outputs that are no
             # donated input's (a KV cache updated in place), inputs made for the step.
-            "transient_bytes": memory.temp_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes + program.transient_input_bytes,
+            "transient_bytes": costs.temp_bytes + costs.output_bytes - costs.alias_bytes
+            + program.transient_input_bytes,
             "compile_seconds": round(program.seconds, 2)}
 
 
-def _hlo_ops(hlo: str) -> dict[str, int]:
-    """Instructions by opcode, fusions' bodies included."""
-    counts: dict[str, int] = {}
-    for opcode in _OPCODE.findall(hlo):
-        counts[opcode] = counts.get(opcode, 0) + 1
-    return dict(sorted(counts.items()))
+def keep_hlo_text(keep: bool) -> None:
+    """Whether each program's optimized HLO text is kept for dump_hlo (memory: only then)."""
+    programs_.KEEP_HLO_TEXT[0] = keep
 
 
 def dump_hlo(directory) -> None:
-    """Each compiled program's optimized HLO, as `NNN-name.txt`."""
+    """Each compiled program's optimized HLO, as `NNN-name.txt` (kept: --dump-hlo)."""
     directory.mkdir(parents=True, exist_ok=True)
     for i, program in enumerate(programs_.PROGRAMS):
-        if program.compiled is not None:
+        if program.costs is not None and program.costs.hlo_text is not None:
             name = re.sub(r"[^\w.-]+", "_", f"{program.name} {program.signature}")[:120]
-            (directory / f"{i:03d}-{name}.txt").write_text(program.compiled.as_text())
+            (directory / f"{i:03d}-{name}.txt").write_text(program.costs.hlo_text)
 
 
 def _chip_bandwidth(mesh) -> float:

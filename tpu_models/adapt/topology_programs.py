@@ -16,6 +16,7 @@ import hashlib
 import os
 import time
 
+from tpu_models import program_costs
 from tpu_models.adapt.guard import COMPILING, COMPILE_ONLY, Patch, Target
 from tpu_models.adapt.topology import WARMING, buffer
 
@@ -24,7 +25,7 @@ class Program:
     """One precompiled program: what the runner names it, its shapes, and libtpu's result."""
     name: str
     signature: dict  # the runner's description of the variant (num_tokens, num_reqs, ...)
-    compiled: object = None  # jax.stages.Compiled
+    costs: program_costs.Costs | None = None  # what libtpu says of it, once compiled
     error: str | None = None  # why it did not compile
     seconds: float = 0.0
     # Compiled by a warm-up call of a Python function that calls jits (`warm_up` names
@@ -70,6 +71,8 @@ PROGRAMS: list[Program] = []
 WORKER: list = []
 # (function, its lowered module's digest) -> the program that compiles it.
 LOWERED: dict[tuple[str, str], Program] = {}
+# Whether each program's optimized HLO text is kept (tpu-models compile --dump-hlo).
+KEEP_HLO_TEXT = [False]
 
 
 def model_built_abstractly() -> None:
@@ -161,7 +164,7 @@ def programs_compiled_not_run() -> None:
             began = time.perf_counter()
             try:
                 with jax.set_mesh(mesh):
-                    program.compiled = lowered.compile()
+                    program.costs = program_costs.of(lowered.compile(), KEEP_HLO_TEXT[0])
             except Exception as e:
                 program.error = f"{type(e).__name__}: {e}"
             program.seconds = time.perf_counter() - began
@@ -177,8 +180,8 @@ def programs_compiled_not_run() -> None:
         for future in futures:
             future.result()
         for program in PROGRAMS:
-            if program.same_as is not None and program.compiled is None:
-                program.compiled, program.error = program.same_as.compiled, program.same_as.error
+            if program.same_as is not None and program.costs is None:
+                program.costs, program.error = program.same_as.costs, program.same_as.error
         for task, fn, args, call_kwargs, handler in tasks:
             try:  # called with shapes: each jit it calls compiles, returns shapes
                 with _calls_compile(task, self.runner.mesh):
@@ -235,7 +238,8 @@ def warmed_up_jits_compiled() -> None:
             task = WARMING[0]
             name = self.xla_executable.hlo_modules()[0].name.removeprefix("jit_")
             PROGRAMS.append(dataclasses.replace(task, name=f"{task.name} > {name}",
-                                                compiled=self, warm_up=task.name,
+                                                costs=program_costs.of(self, KEEP_HLO_TEXT[0]),
+                                                warm_up=task.name,
                                                 transient_input_bytes=transient_bytes(args)))
             holds = WARMING[2]
             return [buffer(aval, sharding, holds or _holds_like(aval, sharding, args))
