@@ -140,11 +140,19 @@ def what_would_fit(vllm_config, measured: memory.Step | None = None,
     if runner_ is None:
         return []
     chip = chip_of(vllm_config, runner_)
-    if found := COMPILER_HBM.search(message):  # a program the compiler itself refused
-        needs = chip.hbm - chip.cache_room() - chip.weights - chip.buffers + \
-            (float(found["required"]) - float(found["available"])) * 2**30
-        measured = memory.Step(int(needs), "the program the compiler refused")
     lines = []
+    if found := COMPILER_HBM.search(message):  # a program the compiler itself refused
+        excess = (float(found["required"]) - float(found["available"])) * 2**30
+        if vllm_config.cache_config.kv_cache_memory_bytes:  # a cache of the size asked
+            devices = list(runner_.mesh.devices.flat)
+            kv = max(abstract.bytes_on(d, "kv_cache") for d in devices)
+            smaller = kv - excess * 1.05
+            if smaller >= chip.one_request():
+                lines.append(f"--kv-cache-memory-bytes {int(smaller) * len(devices)}: room "
+                             "for the program the compiler refused")
+            return lines
+        needs = chip.hbm - chip.cache_room() - chip.weights - chip.buffers + excess
+        measured = memory.Step(int(needs), "the program the compiler refused")
     if measured is not None and measured.bytes > chip.step.bytes:
         # The engine sizes its cache by its own bound, short of the compiler's count:
         # a lower utilization leaves the program the rest.
