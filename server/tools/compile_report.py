@@ -32,8 +32,7 @@ def progress(topology: str, every: float = 30.0):
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    stop = threading.Event()
+    console, began, stop = Console(stderr=True), time.monotonic(), threading.Event()
 
     def status() -> str:
         programs = list(programs_.PROGRAMS)
@@ -41,34 +40,28 @@ def progress(topology: str, every: float = 30.0):
         latest = re.sub(r"^worker\d+ ", "", programs[-1].name) if programs else "building the model"
         return f"compiling for {topology}: {done} of {len(programs)} programs, now {latest}"
 
-    if console.is_terminal:
-        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                       console=console, transient=True)
-        task = bar.add_task(status())
-        with bar:
-            def update():
-                while not stop.wait(0.5):
-                    bar.update(task, description=status())
-            thread = threading.Thread(target=update, daemon=True)
-            thread.start()
-            try:
-                yield
-            finally:
-                stop.set()
-                thread.join()
-        return
-    began = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if console.is_terminal:
+            bar = stack.enter_context(Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                console=console, transient=True))
+            task = bar.add_task(status())
+            period, show = 0.5, lambda: bar.update(task, description=status())
+        else:
+            period, show = every, lambda: print(
+                f"{status()} ({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
 
-    def report():
-        while not stop.wait(every):
-            print(f"{status()} ({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
-    thread = threading.Thread(target=report, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+        def poll():
+            while not stop.wait(period):
+                show()
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 def _label_of(program: programs_.Program) -> str:
