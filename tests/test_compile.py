@@ -87,6 +87,33 @@ def test_every_topology_is_the_slice_libtpu_builds():
         assert name in TOPOLOGIES
 
 
+def test_pallas_lowering_keys_of_different_dmas_hash_apart():
+    # Two DMAs of a kernel differ in their pytree's node data (the slices they move):
+    # upstream's keys hash alike, every lookup then compares keys in full.
+    import dataclasses
+
+    from jax._src import indexing
+    from jax._src.pallas.mosaic import lowering
+    from jax.tree_util import tree_structure
+
+    from tpu_models import adapt
+    adapt.apply()
+
+    def key(cls, stop):
+        return cls(primitive="dma_start", kernel_type=None, avals_in=(), avals_out=(),
+                   params=(("tree", tree_structure((indexing.Slice(0, stop, 1), ))), ),
+                   block_shapes=(), grid_arity=0)
+
+    upstream = lowering.PallasLoweringCacheKey.__mro__[1]
+    assert dataclasses.is_dataclass(upstream) and upstream is not lowering.PallasLoweringCacheKey
+    assert hash(key(upstream, 1)) == hash(key(upstream, 2))  # what the patch is for
+    ours = lowering.PallasLoweringCacheKey
+    assert hash(key(ours, 1)) != hash(key(ours, 2)) and key(ours, 1) != key(ours, 2)
+    assert hash(key(ours, 1)) == hash(key(ours, 1)) and key(ours, 1) == key(ours, 1)
+    replaced = dataclasses.replace(key(ours, 1), grid_arity=1)  # as the lowering does
+    assert type(replaced) is ours and hash(replaced) != hash(key(ours, 1))
+
+
 def test_demo_with_eagle3_at_tensor_parallel_8_on_v6e_8(tmp_path):
     status, report, output = compile_(tmp_path, "--topology", "v6e-8", "--tensor-parallel-size",
                                       "8", "--speculative", "eagle3", "--kv-cache-dtype", "fp8",

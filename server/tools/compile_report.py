@@ -136,7 +136,7 @@ def build(vllm_config, core, slice_) -> dict:
     chip = devices[0]
     cache = vllm_config.cache_config
     bandwidth = _chip_bandwidth(runner.mesh)
-    programs = [program_entry(p, bandwidth) for p in programs_.PROGRAMS]
+    programs = [program_entry(p, bandwidth) for p in programs_.settled()]
     compiled = [p for p in programs if "error" not in p]
     # The programs a server runs once its KV cache is allocated (not the load's).
     serving = [p for p in compiled if not p["name"].startswith("load > ")]

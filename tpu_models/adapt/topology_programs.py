@@ -73,6 +73,20 @@ WORKER: list = []
 LOWERED: dict[tuple[str, str], Program] = {}
 # Whether each program's optimized HLO text is kept (tpu-models compile --dump-hlo).
 KEEP_HLO_TEXT = [False]
+# Compilations under way. Nothing waits for them until the report (settled): the
+# main thread lowers the next group (the backbone's Pallas kernels, Python-bound)
+# while the workers compile the last one, where upstream waits at each group's end.
+PENDING: list = []
+
+
+def settled() -> list[Program]:
+    """PROGRAMS, each compiled or failed: every compilation under way waited for."""
+    while PENDING:
+        PENDING.pop().result()
+    for program in PROGRAMS:
+        if program.same_as is not None and program.costs is None:
+            program.costs, program.error = program.same_as.costs, program.same_as.error
+    return PROGRAMS
 
 
 def model_built_abstractly() -> None:
@@ -172,16 +186,10 @@ def programs_compiled_not_run() -> None:
         if self._compile_executor is None:
             compile_()
         else:
-            self._compile_futures.append(self._compile_executor.submit(compile_))
+            PENDING.append(self._compile_executor.submit(compile_))
 
     def _flush_compilations(self):
-        futures, self._compile_futures = self._compile_futures, []
         tasks, self._warmup_tasks = self._warmup_tasks, []
-        for future in futures:
-            future.result()
-        for program in PROGRAMS:
-            if program.same_as is not None and program.costs is None:
-                program.costs, program.error = program.same_as.costs, program.same_as.error
         for task, fn, args, call_kwargs, handler in tasks:
             try:  # called with shapes: each jit it calls compiles, returns shapes
                 with _calls_compile(task, self.runner.mesh):
