@@ -74,14 +74,12 @@ def probe() -> dict:
     import jax
 
     from tpu_models import adapt
-    from tpu_models.adapt import guard
-    features = {name: {"patches": [p.name for p in group], "problems": problems}
-                for name, (group, problems) in guard.assess(adapt.patches()).items()}
+    features = adapt.assessment()
     devices = jax.devices()
     return {"platform": platform or devices[0].platform, "off_tpu": platform is not None,
             "devices": [f"{d.device_kind} ({d.platform}:{d.id})" for d in devices],
             "attention": mode, "features": features,
-            "tpu_inference": guard.upstream_version(), "written_for": guard.WRITTEN_FOR}
+            "tpu_inference": adapt.upstream_version(), "written_for": adapt.WRITTEN_FOR}
 
 
 def facts(env: dict) -> dict:

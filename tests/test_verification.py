@@ -67,7 +67,7 @@ def test_drafts_are_verified_with_the_counts_of_the_drafts_before_them(ranks, sa
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     from tpu_models.adapt import sampler_programs, sampling
-    from tpu_models.adapt.token_counts import ANY_TOKEN, IN_PROMPT, NO_TOKEN, RECENT, TokenCounts
+    from tpu_models.penalties import ANY_TOKEN, IN_PROMPT, NO_TOKEN, RECENT, TokenCounts
 
     rng = np.random.default_rng(7 + ranks + 2 * sampled)
     margin = PEAKED if sampled else DECISIVE

@@ -3,9 +3,10 @@
 MODEL and the options are `tpu-models serve`'s (vLLM's own parser reads them).
 The engine then starts as `vllm serve` starts it (vLLM's EngineCore: the TPU
 worker, its runner, the KV cache sized from HBM, precompilation), built for
-the named slice's devices with nothing behind them (tpu_models.adapt.topology):
-no weight is read or allocated, and each program precompilation names is
-compiled by libtpu, the TPU's own compiler, and never run. The report says
+the named slice's devices with nothing behind them (the seam's compile-only
+patches): no weight is read or allocated, and each program precompilation
+names is compiled by libtpu, the TPU's own compiler, and never run. The report
+(from tpu_models.slice_accounting: what each chip holds, what compiled) says
 what fits in a chip's HBM, how many tokens the KV cache holds, and each
 program's cost as the compiler estimates it.
 

@@ -15,7 +15,8 @@ import math
 import re
 
 from tpu_models import memory
-from tpu_models.adapt import topology as abstract, topology_programs as programs_
+from tpu_models.slice_accounting import (
+    DRAFT_WEIGHTS, HOST_INPUTS, KV_CACHE, WEIGHTS, WORKER, bytes_on)
 from tpu_models.topologies import TOPOLOGIES
 
 # libtpu's refusal of a program: "... HLO temporaries (19.75G) exceeds available HBM (15.75G)"
@@ -101,11 +102,10 @@ def _quantizable_bytes(runner) -> int:
 def chip_of(vllm_config, runner) -> Chip:
     from tpu_inference.utils import get_device_hbm_limit
     devices = list(runner.mesh.devices.flat)
-    weights = max(abstract.bytes_on(d, "weights") + abstract.bytes_on(d, "draft weights")
-                  for d in devices)
+    weights = max(bytes_on(d, WEIGHTS) + bytes_on(d, DRAFT_WEIGHTS) for d in devices)
     return Chip(
         hbm=get_device_hbm_limit(), utilization=vllm_config.cache_config.gpu_memory_utilization,
-        weights=weights, buffers=max(abstract.bytes_on(d, "host inputs") for d in devices),
+        weights=weights, buffers=max(bytes_on(d, HOST_INPUTS) for d in devices),
         step=memory.step_of(vllm_config), kv_per_token=kv_bytes_per_token(runner),
         window=max((getattr(s, "sliding_window", 0) or 0
                     for s in runner.get_kv_cache_spec().values()), default=0),
@@ -127,9 +127,9 @@ def verdict(slice_name: str, chip: Chip) -> str:
 
 def compiled_runner():
     """The compile's model runner, once the model is built (else None)."""
-    if not programs_.WORKER or getattr(programs_.WORKER[0].model_runner, "state", None) is None:
+    if not WORKER or getattr(WORKER[0].model_runner, "state", None) is None:
         return None
-    return programs_.WORKER[0].model_runner
+    return WORKER[0].model_runner
 
 
 def what_would_fit(vllm_config, measured: memory.Step | None = None,
@@ -145,7 +145,7 @@ def what_would_fit(vllm_config, measured: memory.Step | None = None,
         excess = (float(found["required"]) - float(found["available"])) * 2**30
         if vllm_config.cache_config.kv_cache_memory_bytes:  # a cache of the size asked
             devices = list(runner_.mesh.devices.flat)
-            kv = max(abstract.bytes_on(d, "kv_cache") for d in devices)
+            kv = max(bytes_on(d, KV_CACHE) for d in devices)
             smaller = kv - excess * 1.05
             if smaller >= chip.one_request():
                 lines.append(f"--kv-cache-memory-bytes {int(smaller) * len(devices)}: room "

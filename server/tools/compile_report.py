@@ -12,8 +12,10 @@ import contextlib
 import re
 import sys
 
-from tpu_models import memory
-from tpu_models.adapt import topology as abstract, topology_programs as programs_
+from tpu_models import memory, penalties
+from tpu_models.slice_accounting import (
+    DRAFT_WEIGHTS, HOST_INPUTS, KEEP_HLO_TEXT, KV_CACHE, PROGRAMS, WEIGHTS, Program, bytes_by_dtype,
+    bytes_on, settled)
 
 # What a compiler refusal ran out of, by its message.
 _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNORECASE)),
@@ -35,7 +37,7 @@ def progress(topology: str, every: float = 30.0):
     console, began, stop = Console(stderr=True), time.monotonic(), threading.Event()
 
     def status() -> str:
-        programs = list(programs_.PROGRAMS)
+        programs = list(PROGRAMS)
         done = sum(p.costs is not None or p.error is not None for p in programs)
         latest = re.sub(r"^worker\d+ ", "", programs[-1].name) if programs else "building the model"
         return f"compiling for {topology}: {done} of {len(programs)} programs, now {latest}"
@@ -64,12 +66,12 @@ def progress(topology: str, every: float = 30.0):
             thread.join()
 
 
-def _label_of(program: programs_.Program) -> str:
+def _label_of(program: Program) -> str:
     name = re.sub(r"^worker\d+ ", "", program.name)
     return f"{name} {program.signature}" if program.signature else name
 
 
-def program_entry(program: programs_.Program, bandwidth: float) -> dict:
+def program_entry(program: Program, bandwidth: float) -> dict:
     entry = {"name": re.sub(r"^worker\d+ ", "", program.name), "tokens": program.signature.get("num_tokens"),
              "requests": program.signature.get("num_reqs"),
              "signature": {k: v for k, v in program.signature.items()
@@ -107,13 +109,13 @@ def program_entry(program: programs_.Program, bandwidth: float) -> dict:
 
 def keep_hlo_text(keep: bool) -> None:
     """Whether each program's optimized HLO text is kept for dump_hlo (memory: only then)."""
-    programs_.KEEP_HLO_TEXT[0] = keep
+    KEEP_HLO_TEXT[0] = keep
 
 
 def dump_hlo(directory) -> None:
     """Each compiled program's optimized HLO, as `NNN-name.txt` (kept: --dump-hlo)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for i, program in enumerate(programs_.PROGRAMS):
+    for i, program in enumerate(PROGRAMS):
         if program.costs is not None and program.costs.hlo_text is not None:
             name = re.sub(r"[^\w.-]+", "_", f"{program.name} {program.signature}")[:120]
             (directory / f"{i:03d}-{name}.txt").write_text(program.costs.hlo_text)
@@ -136,18 +138,17 @@ def build(vllm_config, core, slice_) -> dict:
     chip = devices[0]
     cache = vllm_config.cache_config
     bandwidth = _chip_bandwidth(runner.mesh)
-    programs = [program_entry(p, bandwidth) for p in programs_.settled()]
+    programs = [program_entry(p, bandwidth) for p in settled()]
     compiled = [p for p in programs if "error" not in p]
     # The programs a server runs once its KV cache is allocated (not the load's).
     serving = [p for p in compiled if not p["name"].startswith("load > ")]
     largest = max(serving, key=lambda p: p["transient_bytes"], default=None)
     hbm = get_device_hbm_limit()
-    weights = max(abstract.bytes_on(d, "weights") + abstract.bytes_on(d, "draft weights")
-                  for d in devices)
+    weights = max(bytes_on(d, WEIGHTS) + bytes_on(d, DRAFT_WEIGHTS) for d in devices)
     # Buffers kept beside the cache: the penalties' counts, LoRA slots, the RNG key.
-    other = max(abstract.bytes_on(d, "host inputs") for d in devices)
+    other = max(bytes_on(d, HOST_INPUTS) for d in devices)
     counts = penalty_counts_bytes()
-    kv = max(abstract.bytes_on(d, "kv_cache") for d in devices)
+    kv = max(bytes_on(d, KV_CACHE) for d in devices)
     transient = largest["transient_bytes"] if largest else 0
     step = memory.step_of(vllm_config)
     concurrency = float(cache.kv_cache_max_concurrency or 0)
@@ -195,9 +196,7 @@ def build(vllm_config, core, slice_) -> dict:
 
 def penalty_counts_bytes() -> int:
     """A chip's bytes of the penalties' counts (allocated at start-up, replicated)."""
-    from tpu_models.adapt import token_counts
-    made = token_counts._COUNTS
-    return token_counts.bytes_a_chip(made[0].slots, made[0].vocab) if made else 0
+    return penalties.allocated_bytes_a_chip()
 
 
 def _kv_element_type(runner) -> str | None:
@@ -209,8 +208,8 @@ def _kv_element_type(runner) -> str | None:
 def _weights_by_dtype(device) -> dict[str, int]:
     """A chip's weight bytes by dtype (quantized weights show as int8, fp8, int4)."""
     out: dict[str, int] = {}
-    for holds in ("weights", "draft weights"):
-        for dtype, n in abstract.bytes_by_dtype(device, holds).items():
+    for holds in (WEIGHTS, DRAFT_WEIGHTS):
+        for dtype, n in bytes_by_dtype(device, holds).items():
             out[dtype] = out.get(dtype, 0) + n
     return out
 

@@ -49,6 +49,17 @@ def apply() -> None:
     _applied = True
 
 
+# What `tpu-models doctor` reports of the seam, so that it imports this entry alone.
+WRITTEN_FOR = guard.WRITTEN_FOR
+upstream_version = guard.upstream_version
+
+
+def assessment() -> dict[str, dict]:
+    """Feature name -> its patches that apply on this host and what stops them."""
+    return {name: {"patches": [p.name for p in group], "problems": problems}
+            for name, (group, problems) in guard.assess(patches()).items()}
+
+
 def ledger() -> str:
     """docs/adaptations.md: what we change upstream, and what to drop when upstream fixes it."""
     lines = [

@@ -5,8 +5,7 @@ around them."""
 
 import dataclasses
 
-from tpu_models.adapt.token_counts import (
-    NO_TOKEN, ban_bad_words, penalize, record, with_drafts)
+from tpu_models.penalties import NO_TOKEN, ban_bad_words, penalize, record, with_drafts
 
 MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
 

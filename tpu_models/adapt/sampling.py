@@ -20,7 +20,7 @@ import functools
 from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch,
                                     Target, rebind)
 from tpu_models.adapt.sampler_programs import data_ranks, sample_extended, verify_extended
-from tpu_models.adapt.token_counts import ANY_TOKEN, RECENT, bucket, token_counts
+from tpu_models.penalties import ANY_TOKEN, RECENT, bucket, token_counts
 
 
 @functools.cache

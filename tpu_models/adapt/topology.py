@@ -6,78 +6,23 @@ are a TPU slice's as libtpu describes it (jax.experimental.topologies), with no
 chip behind them. Every array the start-up would allocate (weights, KV cache,
 host inputs, precompilation's dummy tensors) is a ShapeDtypeStruct placed on
 them, alive while something refers to it, and HBM in use is counted from the
-live ones. adapt.topology_programs builds the model and compiles the programs.
+live ones (the buffers and their count: tpu_models.slice_accounting).
+adapt.topology_programs builds the model and compiles the programs.
 Installed only in that process (guard.COMPILING).
 """
 
-import functools
-import weakref
-
 from tpu_models.adapt.guard import COMPILING, COMPILE_ONLY, Patch, Target, rebind
+from tpu_models.slice_accounting import HOST_INPUTS, KV_CACHE, buffer, bytes_on
 
 _devices: list = []
-# Every abstract buffer still referenced (HBM in use), by identity: buffers of the
-# same shape are equal, and each layer's KV cache is one.
-_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
 
 # The warm-up call under way (adapt.topology_programs): its task, mesh, what it holds.
 WARMING: list = []
 
 
-def _buffer_class():
-    import jax
-
-    class Buffer(jax.ShapeDtypeStruct):
-        """An array as a device would hold it, with what it holds; alive as long as
-        something refers to it (as a device buffer is)."""
-        __slots__ = ("holds", "__weakref__")
-
-    return Buffer
-
-
-def buffer(x, sharding, holds: str):
-    import jax
-    import numpy as np
-    dtype = x.dtype
-    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        dtype = jax.dtypes.canonicalize_dtype(dtype)
-    out = _Buffer()(np.shape(x), dtype, sharding=sharding)
-    out.holds = holds
-    _live[id(out)] = out
-    return out
-
-
-_Buffer = functools.cache(_buffer_class)
-
-
 def _tracing() -> bool:
     from jax._src import core
     return not core.trace_state_clean()
-
-
-def bytes_by_dtype(device, holds: str | None = None) -> dict[str, int]:
-    """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`,
-    by dtype."""
-    import math
-    out: dict[str, int] = {}
-    for x in list(_live.values()):
-        if holds is not None and x.holds != holds:
-            continue
-        if x.sharding is None or device not in x.sharding.device_set:
-            continue
-        try:
-            shard = x.sharding.shard_shape(x.shape)
-        except ValueError:  # a spec its shape cannot split: XLA keeps it whole
-            shard = x.shape
-        name = str(x.dtype)
-        out[name] = out.get(name, 0) + math.prod(shard) * x.dtype.itemsize
-    return out
-
-
-def bytes_on(device, holds: str | None = None) -> int:
-    """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`."""
-    return sum(bytes_by_dtype(device, holds).values())
 
 
 def _slice_devices() -> list:
@@ -135,7 +80,7 @@ def caches_and_inputs_as_shapes() -> None:
         if _tracing():  # inside a traced function (Qwix's calibration pass): as it was
             return allocator(cache_shape, cache_dtype, sharding)
         return lambda: buffer(jax.ShapeDtypeStruct(cache_shape, cache_dtype), sharding,
-                                 "kv_cache")
+                              KV_CACHE)
 
     put = layer_utils.general_device_put
 
@@ -147,7 +92,7 @@ def caches_and_inputs_as_shapes() -> None:
             if mesh.empty and WARMING:  # a warm-up call: under its abstract mesh only
                 mesh = WARMING[1]
             sharding = NamedSharding(mesh, sharding or PartitionSpec())
-        return jax.tree.map(lambda x: buffer(x, sharding, "host inputs"), tensor)
+        return jax.tree.map(lambda x: buffer(x, sharding, HOST_INPUTS), tensor)
 
     kv_cache._get_kv_cache_allocator = _get_kv_cache_allocator
     kv_cache._get_mamba_cache_allocator = _get_kv_cache_allocator

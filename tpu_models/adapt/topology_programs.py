@@ -3,10 +3,11 @@
 The model is built as the loader builds one whose weights it will load (its
 class under nnx.eval_shape, each weight placed by its partition spec, Qwix's
 quantization compiled for the slice). Each program precompilation names is
-lowered and compiled by libtpu, and kept (PROGRAMS). A function that is no jit
-(the rejection sampler, EAGLE-3's drafter) is called as the warm-up pass calls
-it, with shapes: every jit it calls compiles for the slice, as on a TPU, and
-answers shapes. Installed only in `tpu-models compile`'s process (guard.COMPILING).
+lowered and compiled by libtpu, and kept (PROGRAMS, in tpu_models.slice_accounting
+with what each chip holds). A function that is no jit (the rejection sampler,
+EAGLE-3's drafter) is called as the warm-up pass calls it, with shapes: every
+jit it calls compiles for the slice, as on a TPU, and answers shapes. Installed
+only in `tpu-models compile`'s process (guard.COMPILING).
 """
 
 import contextlib
@@ -18,75 +19,10 @@ import time
 
 from tpu_models import program_costs
 from tpu_models.adapt.guard import COMPILING, COMPILE_ONLY, Patch, Target
-from tpu_models.adapt.topology import WARMING, buffer
-
-@dataclasses.dataclass
-class Program:
-    """One precompiled program: what the runner names it, its shapes, and libtpu's result."""
-    name: str
-    signature: dict  # the runner's description of the variant (num_tokens, num_reqs, ...)
-    costs: program_costs.Costs | None = None  # what libtpu says of it, once compiled
-    error: str | None = None  # why it did not compile
-    seconds: float = 0.0
-    # Compiled by a warm-up call of a Python function that calls jits (`warm_up` names
-    # it), as a TPU compiles them: not ahead of time.
-    warm_up: str | None = None
-    # A chip's bytes of its inputs that exist only for the step (logits, ids), beside
-    # what the chip keeps (weights, KV cache, slots): with its temporaries and outputs,
-    # what the program needs beyond them.
-    transient_input_bytes: int = 0
-    lowering_seconds: float = 0.0
-    # An earlier program of the same function whose lowered module is this one's, text
-    # for text (variants that differ in an argument the program ignores): compiled once.
-    same_as: "Program | None" = None
-
-
-# What an abstract input holds when the chip keeps it between steps (adapt.topology
-# labels); any other (a dummy made for precompilation, a warm-up's output) is the step's.
-KEPT = ("weights", "draft weights", "kv_cache", "host inputs")
-
-
-def transient_bytes(*trees) -> int:
-    """A chip's bytes of the step-only inputs among `trees` (the most any chip holds)."""
-    import math
-
-    import jax
-    per_device: dict = {}
-    for x in jax.tree.leaves(trees):
-        if (not isinstance(x, jax.ShapeDtypeStruct) or getattr(x, "holds", None) in KEPT
-                or x.sharding is None):
-            continue
-        try:
-            shard = x.sharding.shard_shape(x.shape)
-        except ValueError:
-            shard = x.shape
-        for d in x.sharding.device_set:
-            per_device[d] = per_device.get(d, 0) + math.prod(shard) * x.dtype.itemsize
-    return max(per_device.values(), default=0)
-
-
-# The programs this process compiled, in precompilation order, and its worker
-# (for the report, also when start-up stops: what would fit is worked out from it).
-PROGRAMS: list[Program] = []
-WORKER: list = []
-# (function, its lowered module's digest) -> the program that compiles it.
-LOWERED: dict[tuple[str, str], Program] = {}
-# Whether each program's optimized HLO text is kept (tpu-models compile --dump-hlo).
-KEEP_HLO_TEXT = [False]
-# Compilations under way. Nothing waits for them until the report (settled): the
-# main thread lowers the next group (the backbone's Pallas kernels, Python-bound)
-# while the workers compile the last one, where upstream waits at each group's end.
-PENDING: list = []
-
-
-def settled() -> list[Program]:
-    """PROGRAMS, each compiled or failed: every compilation under way waited for."""
-    while PENDING:
-        PENDING.pop().result()
-    for program in PROGRAMS:
-        if program.same_as is not None and program.costs is None:
-            program.costs, program.error = program.same_as.costs, program.same_as.error
-    return PROGRAMS
+from tpu_models.adapt.topology import WARMING
+from tpu_models.slice_accounting import (
+    DRAFT_WEIGHTS, KEEP_HLO_TEXT, LOWERED, PENDING, PROGRAMS, WEIGHTS, WORKER, Program, buffer,
+    transient_bytes)
 
 
 def model_built_abstractly() -> None:
@@ -113,7 +49,7 @@ def model_built_abstractly() -> None:
         # Each weight where the loader puts it (its partition spec)...
         state = nnx.state(model)
         specs = nnx.get_partition_spec(state)
-        holds = "draft weights" if is_draft_model else "weights"
+        holds = DRAFT_WEIGHTS if is_draft_model else WEIGHTS
         placed = jax.tree.map(
             lambda x, spec: buffer(x, NamedSharding(mesh, spec or PartitionSpec()), holds),
             state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))

@@ -1,9 +1,10 @@
-"""Penalties and bad words for adapt.sampling: what each request has seen, kept on
-the device, and the definitions that read it.
+"""The extended sampler's penalties and bad words: what each request has seen, kept
+on the device, and the definitions that read it.
 
 Under tpu-inference's asynchronous scheduling the host learns a step's tokens a
 step late, so the counts live on the device and the sampling program that draws
-the tokens adds them (adapt.sampler_programs.sample_extended).
+the tokens adds them (adapt.sampler_programs.sample_extended, which the seam's
+adapt.sampling installs).
 """
 
 import functools
@@ -156,6 +157,11 @@ _COUNTS: list[TokenCounts] = []  # the runner's, once a request asks (one engine
 def bytes_a_chip(slots: int, vocab: int) -> int:
     """What TokenCounts holds on each chip (replicated)."""
     return 4 * slots * (vocab + RECENT)
+
+
+def allocated_bytes_a_chip() -> int:
+    """What this process's TokenCounts hold on each chip (0: none allocated yet)."""
+    return bytes_a_chip(_COUNTS[0].slots, _COUNTS[0].vocab) if _COUNTS else 0
 
 
 def allocate(mesh, slots: int, vocab: int) -> TokenCounts:
