@@ -49,7 +49,7 @@ def _log_ready(state) -> None:
     from tpu_inference.logger import init_logger
 
     from tpu_models import host
-    from tpu_models.adapt import compilation
+    from tpu_models.precompilation import background_buckets
     config = state.vllm_config
     model, cache = config.model_config, config.cache_config
     tokens, concurrency = cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency
@@ -59,7 +59,7 @@ def _log_ready(state) -> None:
     platform = host.host_platform() or "tpu"
     background = ("; the other token buckets compile in the background (meanwhile a step pads "
                   "to the next compiled one)"
-                  if compilation.background_buckets(config) else "")
+                  if background_buckets(config) else "")
     init_logger("tpu_models.ready").info(
         "tpu-models: ready: %s (%s), %s, %s%s", model.served_model_name,
         ", ".join([str(model.dtype).removeprefix("torch."), platform,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tpu_models.loaders.export_marker import check_export_complete
 from tpu_models.loaders.hf import CheckpointError
+from tpu_models.loaders.paths import model_path_problem
 from tpu_models.loaders.object_storage import is_object_storage
 from tpu_models.quant import qwix_rules as quant_rules
 from tpu_models.server import middleware
@@ -229,22 +230,9 @@ def check_model(model: str) -> None:
 def check_model_path(model: str, vllm_args: list[str]) -> None:
     """A local MODEL that is no checkpoint vLLM could load, named before it starts (its
     own error, hundreds of lines later, was about Hugging Face repository ids)."""
-    if is_object_storage(model):
-        return
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if any(path.glob("*.safetensors")) or _value(vllm_args, "--load-format") == "dummy":
-            return
-        what = ("only pickle weights (*.bin), which tpu-models never loads"
-                if any(path.glob("*.bin")) else "no *.safetensors weights")
-        raise ValueError(f"{model}: {what}. A directory of config.json and a tokenizer serves "
-                         "random weights with --load-format dummy, and `tpu-models compile` "
-                         "takes it as it is")
-    if path.exists():
-        raise ValueError(f"{model}: not a directory (MODEL is a checkpoint directory)")
-    if model.startswith(("/", ".", "~")) or model.count("/") != 1:
-        raise ValueError(f"{model}: no such directory (MODEL is a checkpoint directory, a "
-                         "gs:// or s3:// prefix, or a Hugging Face repository id)")
+    problem = model_path_problem(model, _value(vllm_args, "--load-format") == "dummy")
+    if problem:
+        raise ValueError(problem)
 
 
 def check_adapters(model: str, lora: str | None, vllm_args: list[str]) -> None:

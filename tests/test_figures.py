@@ -33,3 +33,10 @@ def test_start_up_figures_are_the_benchmarks():
     runs = [json.loads((ROOT / "benchmarks" / "results" / f"startup-{s}.json").read_text())["runs"]
             for s in ("demo", "qwen3-0.6b", "gemma3-1b")]
     assert bold == [round(r[k]["total_s"], 1) for r in runs for k in ("cold", "warm")]
+
+
+def test_eagle3_start_up_figures_are_the_benchmarks():
+    cold, warm = ready_after("eagle3-demo")
+    text = flat("docs/speculative-decoding.md")
+    assert f"is ready after {cold} s cold and {warm} s on a restart" in text, \
+        "docs/speculative-decoding.md: benchmarks/results/startup-eagle3-demo.json"

@@ -95,11 +95,8 @@ def test_the_core_imports_no_patch(imports):
 
 # The command line, harness and benchmarks reach the seam only through its entry
 # (tpu_models.adapt: apply, patches, ledger, assessment); what they read of it
-# lives in a room (tpu_models.slice_accounting, tpu_models.penalties). Exemptions:
-SEAM_ENTRY_EXEMPT = {
-    "tpu_models.server.middleware -> tpu_models.adapt.compilation",  # to move: issue #70
-    "tpu_models.benchmarks.spec_calls -> tpu_models.adapt.spec_fusion",  # to move: issue #70
-}
+# lives in a room (slice_accounting, penalties, precompilation, speculation). Exemptions:
+SEAM_ENTRY_EXEMPT: set[str] = set()
 
 
 def test_the_cli_and_benchmarks_reach_the_seam_through_its_entry_only(imports):

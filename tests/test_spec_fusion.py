@@ -18,7 +18,7 @@ REQUESTS = 4
 # An in-process engine (its runner in this script's process, so its counters too).
 SCRIPT = """
 import json, sys, vllm
-from tpu_models.adapt import spec_fusion
+from tpu_models.speculation import STEPS
 from tpu_models.server.serve import DEFAULT_MODEL, SPECULATIVE
 llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
                kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=256,
@@ -26,7 +26,7 @@ llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
 chats = [[{"role": "user", "content": r}] for r in json.loads(sys.argv[1])]
 out = llm.chat(chats, vllm.SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
 print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in out],
-                              "steps": dict(spec_fusion.STEPS)}))
+                              "steps": dict(STEPS)}))
 """
 
 
@@ -54,20 +54,20 @@ def test_fused_eagle3_steps_give_the_text_of_plain_decoding(demo_server, tmp_pat
 
 
 def test_the_draft_passes_cover_every_request_with_few_programs():
-    """The draft's later passes run on `_live_rows` rows: every request of the step
+    """The draft's later passes run on `live_rows` rows: every request of the step
     has its row, and each token bucket (the engine pads tokens to powers of two)
     needs few programs: a decode step (1 + 3 drafts a request) one, steps with a
     prompt chunk mostly one more, whatever their number of requests."""
-    from tpu_models.adapt.spec_fusion import _live_rows
+    from tpu_models.speculation import live_rows
 
     for tokens in (1 << b for b in range(2, 9)):
         for requests in range(1, tokens + 1):
-            rows = _live_rows(requests, tokens)
+            rows = live_rows(requests, tokens)
             assert requests <= rows <= max(tokens, 1 << (requests - 1).bit_length())
             assert rows & (rows - 1) == 0  # a power of two
-        assert _live_rows(tokens // 4, tokens) == tokens // 4  # a decode step
+        assert live_rows(tokens // 4, tokens) == tokens // 4  # a decode step
         # 1 to tokens / 4 requests (a chunk and decodes): two programs
-        assert {_live_rows(r, tokens) for r in range(1, tokens // 4 + 1)} == (
+        assert {live_rows(r, tokens) for r in range(1, tokens // 4 + 1)} == (
             {tokens // 8, tokens // 4} if tokens >= 8 else {1})
 
 

@@ -104,7 +104,8 @@ def test_a_dead_engine_is_reported_unless_a_signal_stopped_the_server(monkeypatc
 
 def bad_lines(log: str) -> list[str]:
     return [line for line in log.splitlines()
-            if re.search(r"\bERROR\b|Traceback", line) or any(p in line for p in SILENCED)]
+            if re.search(r"\bERROR\b|Traceback|\[Gloo\]", line)
+            or any(p in line for p in SILENCED)]
 
 
 @pytest.mark.e2e

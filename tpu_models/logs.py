@@ -26,7 +26,10 @@ OFF_TPU = {
     "vllm.usage.usage_lib": ("Failed to collect TPU information", ),  # the same probe
     "vllm.platforms.interface": ("Failed to import from vllm._C", ),  # CUDA kernels
     "vllm.config.vllm": ("Model Runner V2 requires Triton",  # a GPU runner option
-                         "Inductor compilation was disabled"),  # torch.compile: unused by JAX
+                         "Inductor compilation was disabled",  # torch.compile: unused by JAX
+                         # Any budget under 8,192 tokens with drafts; off-TPU the host's
+                         # defaults choose 256 on purpose (a CPU step's cost grows with it).
+                         "max_num_scheduled_tokens is set to"),
     "torch.utils.cpp_extension": ("No CUDA runtime is found", ),
 }
 # Everywhere.

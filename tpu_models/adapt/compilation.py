@@ -18,6 +18,7 @@ import threading
 import time
 
 from tpu_models.adapt.guard import OFF_TPU, STARTUP, Patch, Target
+from tpu_models.precompilation import background_buckets, ready_buckets
 
 LOADER = "tpu_inference.models.common.model_loader"
 MANAGER = "tpu_inference.runner.compilation_manager.CompilationManager"
@@ -104,32 +105,9 @@ def compiled_functions_not_run() -> None:
     CompilationManager._flush_compilations = _flush_compilations
 
 
-def background_buckets(vllm_config) -> bool:
-    """Whether token buckets compile after the server is ready: off-TPU, when it
-    precompiles at all, for a plain text model on one rank (LoRA slots, drafts,
-    pipeline and data parallel ranks each add programs a bucket depends on)."""
-    from tpu_inference import envs
-
-    from tpu_models.host import host_platform
-
-    parallel = vllm_config.parallel_config
-    return (host_platform() is not None and not envs.SKIP_JAX_PRECOMPILE
-            and not vllm_config.model_config.enforce_eager and vllm_config.lora_config is None
-            and vllm_config.speculative_config is None
-            and not vllm_config.model_config.is_multimodal_model
-            and parallel.pipeline_parallel_size == 1 and parallel.data_parallel_size == 1)
-
-
 def _deferring(runner) -> bool:
     return (isinstance(runner.model_fn, AheadOfTimeStep) and runner.dp_size == 1
             and background_buckets(runner.vllm_config))
-
-
-def ready_buckets(paddings: list[int]) -> list[int]:
-    """Compiled before the server is ready: the smallest bucket (one decode) and the
-    largest (any prompt, chunk by chunk). Until the others compile, a step pads to
-    the next of these."""
-    return sorted({paddings[0], paddings[-1]})
 
 
 class _RunnerView:
@@ -275,6 +253,29 @@ def compiles_overlapped() -> None:
     CompilationManager._flush_compilations = _flush_compilations
 
 
+def unfused_programs_at_first_use() -> None:
+    # Off-TPU, with EAGLE-3 steps fused (adapt.spec_fusion), upstream's speculative
+    # programs (rejection samplers, row selections, the draft's passes: 290 of the
+    # demo's 370) run only in the steps the fused one leaves them (logprobs, penalties).
+    from tpu_inference import envs
+    from tpu_inference.runner.compilation_manager import CompilationManager
+
+    from tpu_models.adapt import guard
+
+    original = CompilationManager._precompile_speculative_decoding
+
+    def _precompile_speculative_decoding(self):
+        runner = self.runner
+        if (runner.speculative_config.method != "eagle3" or runner.dp_size != 1
+                or os.environ.get("TPU_MODELS_SPEC_FUSION") == "0"
+                or guard.SPEC_FUSION.name in guard.refused() or envs.VLLM_XLA_CHECK_RECOMPILATION):
+            return original(self)
+        _logger().info("tpu-models: EAGLE-3's unfused programs (for steps with logprobs or "
+                       "penalties) compile when a step first needs them")
+
+    CompilationManager._precompile_speculative_decoding = _precompile_speculative_decoding
+
+
 def pallas_keys_hashed_by_their_trees() -> None:
     # Mosaic lowering caches each kernel equation under a key whose hash takes a DMA's
     # pytree without its nodes' data: a kernel's DMAs all hash alike, and each lookup
@@ -323,6 +324,11 @@ PATCHES = [
         "the sampler and each group of functions waited for the step's largest bucket",
         "tests/test_startup.py::test_a_restart_compiles_nothing_and_serves_every_bucket",
         compiles_overlapped, platform=OFF_TPU, speed="tpu-models bench startup"),
+    Patch("EAGLE-3's unfused programs compiled at first use", STARTUP, (
+        Target(f"{MANAGER}._precompile_speculative_decoding", _STEP), ),
+        "a CPU host compiled ~290 programs before serving that fused EAGLE-3 steps never run",
+        "tests/test_spec_fusion.py::test_fused_eagle3_steps_give_the_text_of_plain_decoding",
+        unfused_programs_at_first_use, platform=OFF_TPU, speed="tpu-models bench startup"),
     Patch("Pallas lowering's cache keys hashed by their DMAs' trees", STARTUP, (
         Target("jax._src.pallas.mosaic.lowering.PallasLoweringCacheKey", _PALLAS_KEY), ),
         "every lookup of a kernel's DMA compared the keys of all its DMAs in full",

@@ -1,6 +1,27 @@
 """vLLM's engine and loader around a flax model: what they assume of a PyTorch one."""
 
-from tpu_models.adapt.guard import IN_PROCESS, LOG, Patch, Target
+from tpu_models.adapt.guard import IN_PROCESS, LOG, START_CHECKS, Patch, Target
+
+
+def model_paths_checked() -> None:
+    # Plain `vllm serve ./missing`: huggingface_hub's error about repository ids, after
+    # hundreds of lines; one of our checkpoints without weights failed at load.
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tpu_models import registry
+    from tpu_models.loaders.paths import model_path_problem
+
+    original = EngineArgs.__post_init__
+    ours = {a.hf_name for a in registry.architectures() if a.model is not None}
+
+    def __post_init__(self):
+        # Before vLLM resolves MODEL (offline: through huggingface_hub, here).
+        problem = model_path_problem(str(self.model), self.load_format == "dummy", ours)
+        if problem:
+            raise ValueError(problem)
+        return original(self)
+
+    EngineArgs.__post_init__ = __post_init__
 
 
 def weight_loading_timed() -> None:
@@ -18,6 +39,22 @@ def weight_loading_timed() -> None:
         return original(self, model, model_config)
 
     DefaultModelLoader.load_weights = load_weights
+
+
+def gloo_lines_dropped() -> None:
+    # torch's gloo prints "[Gloo] Rank 0 is connected to 0 peer ranks" from C++ for
+    # each of the seven groups vLLM's distributed start-up makes, at any log level.
+    from tpu_inference.worker.tpu_worker import TPUWorker
+
+    from tpu_models import logs
+
+    original = TPUWorker.init_device
+
+    def init_device(self, *args, **kwargs):
+        with logs.stdout_without(logs.GLOO_CONNECTED):
+            return original(self, *args, **kwargs)
+
+    TPUWorker.init_device = init_device
 
 
 def engine_cleanup_of_torch_models_only() -> None:
@@ -40,6 +77,16 @@ PATCHES = [
                        ".load_weights", "self model model_config"), ),
           "'Loading weights took N seconds' logged the host's uptime",
           "tests/test_startup_log.py::test_demo_server_log_tells_the_truth", weight_loading_timed),
+    Patch("model paths checked before vLLM resolves them", START_CHECKS, (
+          Target("vllm.engine.arg_utils.EngineArgs.__post_init__", "self"), ),
+          "`vllm serve ./missing` ended in huggingface_hub's error about repository ids",
+          "tests/test_startup_checks.py::test_plain_vllm_serve_names_a_missing_model_directory",
+          model_paths_checked),
+    Patch("gloo's connection lines dropped", LOG, (
+          Target("tpu_inference.worker.tpu_worker.TPUWorker.init_device",
+                 "self tpu_process_bounds tpu_chips_per_process_bounds tpu_visible_chips"), ),
+          "seven '[Gloo] Rank 0 is connected to 0 peer ranks' lines in every healthy log",
+          "tests/test_startup_log.py::test_demo_server_log_tells_the_truth", gloo_lines_dropped),
     Patch("engine clean-up skips flax models",
           IN_PROCESS, (Target("vllm.v1.engine.llm_engine.LLMEngine._cleanup_instance_caches",
                               "model_ref"), ),

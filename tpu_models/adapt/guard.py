@@ -110,6 +110,8 @@ TUNIX_ROLLOUTS = Feature("Tunix's vLLM rollouts on our models (tpu_models.tunix)
                          "google-tunix==0.1.5's rollout_engine='vanilla'")
 # Memory only: refused, log-probs take upstream's whole-vocabulary temporaries.
 LOGPROBS_IN_PIECES = Feature("log-probs a piece of rows at a time", lambda *_: False, "")
+# Messages only: refused, a start-up mistake is named by vLLM's own error.
+START_CHECKS = Feature("start-up mistakes named in one line", lambda *_: False, "")
 # Log accuracy only: refused, the log line is wrong and nothing else.
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
@@ -255,4 +257,4 @@ def rebind(module_name: str, name: str, replacement) -> None:
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
             LOGPROBS_ZERO, LOGPROBS_WITH_DRAFTS, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH,
             RPA_INTERPRET, STARTUP, SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY,
-            TUNIX_ROLLOUTS, LOGPROBS_IN_PIECES, LOG)
+            TUNIX_ROLLOUTS, LOGPROBS_IN_PIECES, START_CHECKS, LOG)

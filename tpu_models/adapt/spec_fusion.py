@@ -14,20 +14,17 @@ leaves it uninstalled. On XLA:CPU a decode step of the demo model launched 15
 programs, 7 fused (plain decoding: 6): tpu-models bench spec-calls.
 """
 
-import collections
 import contextlib
 import functools
 import inspect
 import os
 
 from tpu_models.adapt.guard import SPEC_FUSION, Patch, Target
+from tpu_models.speculation import STEPS, live_rows
 
 RUNNER = "tpu_inference.runner.tpu_runner"
 PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"
 MANAGER = "tpu_inference.runner.speculative_decoding_manager"
-# Steps by how they ran: "fused", "fallback" (not eligible), "redrafted" (our draft
-# inputs differed from upstream's: its own draft computed them), "failed" (no fusion).
-STEPS: collections.Counter = collections.Counter()
 
 
 def _logger():
@@ -39,7 +36,7 @@ def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
                      aux_hidden_states, attn_metadata, draft_inputs, state_leaves, kv_caches):
     """Upstream's calls of an EAGLE-3 step after the forward pass, in its order and
     with its arguments, as one program (`runner` is static: its config and modules;
-    `live_rows` too: _live_rows)."""
+    `live_rows` too: speculation.live_rows)."""
     import jax
     from tpu_inference.runner import tpu_runner
     from tpu_inference.spec_decode.jax import utils
@@ -86,14 +83,6 @@ def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
              if runner.scheduler_config.async_scheduling else None)
     return dict(rng=rng, next_tokens=next_tokens, last=last, rejected=rejected, drafts=drafts,
                 ahead=ahead, kv_caches=kv_caches)
-
-
-def _live_rows(requests: int, tokens: int) -> int:
-    """The rows the draft's later passes run on: a power of two at least the step's
-    requests, and at least an eighth of its token bucket, so that steps with a prompt
-    chunk (a decode step has 4 tokens a request) share one program per bucket: each
-    compiles at its first step, not among the buckets compiled before serving."""
-    return max(1 << (requests - 1).bit_length(), tokens // 8)
 
 
 @functools.cache
@@ -317,8 +306,8 @@ def verification_and_drafting_fused() -> None:
         device = device_array(self.mesh, host,
                               sharding=PartitionSpec(ShardingAxisName.ATTN_DATA))
         try:
-            live_rows = _live_rows(int(host[2][0]), a["input_ids"].shape[0])
-            fused = _compiled()(self, live_rows, self.rng_params_for_sampling, a["logits"],
+            rows = live_rows(int(host[2][0]), a["input_ids"].shape[0])
+            fused = _compiled()(self, rows, self.rng_params_for_sampling, a["logits"],
                                 a["input_ids"], a["spec_decode_metadata"], a["tpu_sampling_metadata"],
                                 a["aux_hidden_states"], draft_attention(a["attn_metadata"]),
                                 device, self.drafter.state_leaves, self.kv_caches)
