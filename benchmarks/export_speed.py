@@ -34,8 +34,14 @@ BASELINE = "import numpy, orbax.checkpoint, safetensors, tpu_models.loaders.expo
 
 
 def config_for(size_mb: float) -> dict:
-    """A Qwen3-structural config of roughly size_mb megabytes in fp32."""
-    hidden, mlp, heads, kv_heads, head_dim, vocab = 1024, 3072, 16, 8, 64, 32000
+    """A Qwen3-structural config of roughly size_mb megabytes in fp32: a 32,000-id
+    vocabulary at width 1,024 above 400 MB, narrower below (the embedding, the head
+    and the structural head alone are 266 MB at that width)."""
+    heads, kv_heads, head_dim = 16, 8, 64
+    budget = size_mb * 2**20 / 4  # parameters
+    hidden = next((h for h in (1024, 512, 256) if 2 * 32000 * h < 0.6 * budget), 256)
+    mlp = 3 * hidden
+    vocab = 32000 if hidden == 1024 else max(1024, int(0.3 * budget / (2 * hidden)))
     per_layer = hidden * (heads * head_dim * 2 + kv_heads * head_dim * 2) + 3 * hidden * mlp
     fixed = 2 * vocab * hidden + hidden * hidden
     layers = max(1, round((size_mb * 2**20 / 4 - fixed) / per_layer))
@@ -134,11 +140,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternated rounds (each export once per round)")
     parser.add_argument("--out", default="export-speed.json")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="write the MaxText checkpoint to DIR and keep it (else a "
+                             "temporary directory, removed): an export to try by hand")
     args = parser.parse_args(argv)
     rounds: dict[str, list] = {"local": []}
     with tempfile.TemporaryDirectory(prefix="export-bench-") as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         config = config_for(args.size_mb)
+        if args.keep:  # the checkpoint kept where asked, the exports still in tmp
+            args.keep.mkdir(parents=True, exist_ok=True)
+            (tmp / "run").symlink_to(args.keep.resolve() / "run", target_is_directory=True)
         total, largest = write_checkpoint(tmp / "run", config)
         _, baseline_rss = run_measured([sys.executable, "-c", BASELINE])
         exports = {"local": lambda i: measure(str(tmp / "run"), str(tmp / f"hf{i}"), lambda: sum(

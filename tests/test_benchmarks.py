@@ -106,3 +106,14 @@ def test_bench_spec_reports_the_median_run_and_the_draft_length():
     assert json.loads(config)["num_speculative_tokens"] == 4
     assert json.loads(config)["model"].endswith("default_model_eagle3")  # the shipped draft
     assert spec_decode._speculation("eagle3", None, None) == ["--speculative", "eagle3"]
+
+
+def test_export_speed_writes_the_size_asked():
+    # Below 400 MB the checkpoint narrows: a 30 MB request once wrote 302 MB.
+    from tpu_models.benchmarks.export_speed import config_for
+    for size_mb in (30, 100, 300, 600):
+        c = config_for(size_mb)
+        hidden, mlp, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+        per_layer = hidden * (16 * 64 * 2 + 8 * 64 * 2) + 3 * hidden * mlp
+        params = 2 * c["vocab_size"] * hidden + hidden * hidden + layers * per_layer
+        assert abs(params * 4 / 2**20 - size_mb) < 0.1 * size_mb, (size_mb, c)
