@@ -1,24 +1,18 @@
 """MODEL as given on a command line: what is wrong with it, before anything loads."""
 
-import json
 from pathlib import Path
 
 from tpu_models.loaders.object_storage import is_object_storage
 
 
-def model_path_problem(model: str, dummy_weights: bool,
-                       only: set[str] | None = None) -> str | None:
+def model_path_problem(model: str, dummy_weights: bool) -> str | None:
     """What is wrong with MODEL as a checkpoint directory on this machine, in one line
-    naming it, else None (object storage and Hugging Face repository ids pass). With
-    `only` (architecture names), a directory without weights is flagged only when its
-    config names one of them (vLLM's own models may load *.bin)."""
+    naming it, else None (object storage and Hugging Face repository ids pass)."""
     if is_object_storage(model):
         return None
     path = Path(model).expanduser()
     if path.is_dir():
         if dummy_weights or any(path.glob("*.safetensors")):
-            return None
-        if only is not None and not _architectures(path / "config.json") & only:
             return None
         what = ("only pickle weights (*.bin), which tpu-models never loads"
                 if any(path.glob("*.bin")) else "no *.safetensors weights")
@@ -31,9 +25,3 @@ def model_path_problem(model: str, dummy_weights: bool,
                 "s3:// prefix, or a Hugging Face repository id)")
     return None
 
-
-def _architectures(config: Path) -> set[str]:
-    try:
-        return set(json.loads(config.read_text()).get("architectures") or ())
-    except (OSError, ValueError, AttributeError):
-        return set()

@@ -5,18 +5,20 @@ from tpu_models.adapt.guard import IN_PROCESS, LOG, START_CHECKS, Patch, Target
 
 def model_paths_checked() -> None:
     # Plain `vllm serve ./missing`: huggingface_hub's error about repository ids, after
-    # hundreds of lines; one of our checkpoints without weights failed at load.
+    # hundreds of lines. Only the path: a caller may set load_format after building
+    # the arguments (Tunix's VllmSampler builds EngineArgs(model=...) for defaults).
     from vllm.engine.arg_utils import EngineArgs
 
-    from tpu_models import registry
     from tpu_models.loaders.paths import model_path_problem
 
     original = EngineArgs.__post_init__
-    ours = {a.hf_name for a in registry.architectures() if a.model is not None}
 
     def __post_init__(self):
-        # Before vLLM resolves MODEL (offline: through huggingface_hub, here).
-        problem = model_path_problem(str(self.model), self.load_format == "dummy", ours)
+        # Before vLLM resolves MODEL (offline: through huggingface_hub, here); a name
+        # that is not a path ("gpt2", "org/name") is the hub's to answer.
+        model = str(self.model)
+        problem = (model.startswith(("/", ".", "~"))
+                   and model_path_problem(model, dummy_weights=True))
         if problem:
             raise ValueError(problem)
         return original(self)
