@@ -9,8 +9,14 @@ sampler, one engine per LoRA mode, each in a process of its own:
   rollouts  --prompts prompts of varied length, greedy, --tokens tokens each: the
             same batch through both engines, alternated for --rounds after a
             warm-up round; generated tokens/s and the median of the rounds' ratios.
+  groups    with --group G, GRPO's workload instead: --prompts / G prompts sharing
+            a template (--template words, then 8-64 of their own), each repeated G
+            times in a row as GRPO repeats them (num_generations), sampled at
+            --temperature with a seed (lengths differ within a group where EOS is
+            drawn); completions/s and tokens/s, ours over Tunix's sampler.
 
     tpu-models bench tunix [--shape tiny,gemma3-1b] [--prompts 64] [--tokens 32]
+        [--group 8 --temperature 0.9 --template 30]
 """
 
 import argparse
@@ -39,6 +45,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--rollouts-in", default="slots,merged",
                    help="LoRA modes whose engine also runs the rollouts (sync times: both)")
+    p.add_argument("--group", type=int, default=1,
+                   help="completions per prompt (GRPO's num_generations); 1: greedy rollouts")
+    p.add_argument("--temperature", type=float, default=0.9, help="with --group")
+    p.add_argument("--template", type=int, default=30,
+                   help="with --group: words every prompt starts with")
     p.add_argument("--out", default="bench-tunix.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # SHAPE:MODE, in a process of its own
     return p
@@ -59,12 +70,11 @@ def worker(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-tunix-"))
     tokenizer = tunix_models.model_directory(cfg, work / "model")
     model = tunix_models.with_lora(tunix_models.build(cfg), args.lora_rank, 2.0 * args.lora_rank)
-    low, high = (int(x) for x in args.words.split(","))
-    lengths = np.random.default_rng(0).integers(low, high + 1, args.prompts)
-    prompts = tunix_models.prompts(lengths, cfg.num_embed, seed=1)
-    prompt_len = 1 << int(high - 1).bit_length()
+    prompts, prompt_len = workload(args, cfg.num_embed)
+    grouped = args.group > 1
     config = base_rollout.RolloutConfig(
-        max_tokens_to_generate=args.tokens, max_prompt_length=prompt_len, temperature=0.0,
+        max_tokens_to_generate=args.tokens, max_prompt_length=prompt_len,
+        temperature=args.temperature if grouped else 0.0, seed=7 if grouped else None,
         top_p=None, rollout_vllm_model_version=str(work / "model"),
         rollout_vllm_hbm_utilization=0.05, rollout_vllm_init_with_random_weights=True,
         rollout_vllm_tpu_backend_type="jax",
@@ -96,21 +106,49 @@ def worker(args) -> dict:
         started = time.perf_counter()
         out = engines[name].generate(prompts, config)
         seconds = time.perf_counter() - started
+        completions[name].append(len(out.tokens) / seconds)
         return sum(int((np.asarray(row) != engines[name].pad_id()).sum())
                    for row in out.tokens) / seconds
+
+    completions = {name: [] for name in engines}
 
     for name in engines:  # warm-up: compiles
         tokens_per_s(name)
     runs = {name: [] for name in engines}
+    for name in engines:
+        completions[name].clear()  # the warm-up's left out
     for r in range(args.rounds):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             runs[name].append(tokens_per_s(name))
     result["rollouts"] = {
         "prompts": args.prompts, "words": args.words, "tokens": args.tokens, "runs": runs,
+        "group": args.group, "temperature": config.temperature,
+        "template_words": args.template if grouped else 0,
+        "completions_per_s": {n: statistics.median(c) for n, c in completions.items()},
+        "completions_ratio": statistics.median(
+            a / b for a, b in zip(completions["vllm"], completions["vanilla"])),
         "vllm_tok_s": statistics.median(runs["vllm"]),
         "vanilla_tok_s": statistics.median(runs["vanilla"]),
         "ratio": statistics.median(a / b for a, b in zip(runs["vllm"], runs["vanilla"]))}
     return result
+
+
+def workload(args, vocab: int) -> tuple[list[str], int]:
+    """(the rollout's prompts, Tunix's max prompt length): varied greedy prompts, or
+    with --group GRPO's groups: distinct prompts on a shared template, each G times."""
+    import numpy as np
+
+    from tpu_models.harness import tunix_models
+    low, high = (int(x) for x in args.words.split(","))
+    if args.group <= 1:
+        lengths = np.random.default_rng(0).integers(low, high + 1, args.prompts)
+        return tunix_models.prompts(lengths, vocab, seed=1), 1 << int(high - 1).bit_length()
+    distinct = max(1, args.prompts // args.group)
+    template = tunix_models.prompts([args.template], vocab, seed=2)[0]
+    tails = tunix_models.prompts(np.random.default_rng(0).integers(low, high + 1, distinct),
+                                 vocab, seed=1)
+    prompts = [f"{template} {tail}" for tail in tails for _ in range(args.group)]
+    return prompts, 1 << int(args.template + high - 1).bit_length()
 
 
 def measure(args) -> dict:
@@ -141,17 +179,19 @@ def report(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
     table = Table(title=f"Tunix rollouts on tpu-models (LoRA rank {result['lora_rank']}): "
-                        "syncs (medians) and greedy rollouts, vLLM vs Tunix's vanilla sampler")
+                        "syncs (medians) and rollouts, vLLM vs Tunix's vanilla sampler")
     for column in ("shape", "LoRA", "full sync ms", "LoRA sync ms", "vLLM tok/s",
-                   "vanilla tok/s", "x vanilla"):
+                   "vanilla tok/s", "x vanilla", "completions/s vLLM / vanilla"):
         table.add_column(column, justify="right")
     for r in result["rows"]:
         roll = r.get("rollouts")
+        per_s = roll and roll.get("completions_per_s")
         table.add_row(r["shape"], r["mode"], f"{1e3 * r['full_sync_s']:.1f}",
                       f"{1e3 * statistics.median(r['lora_sync_s']):.1f}",
                       f"{roll['vllm_tok_s']:.1f}" if roll else "-",
                       f"{roll['vanilla_tok_s']:.1f}" if roll else "-",
-                      f"{roll['ratio']:.2f}" if roll else "-")
+                      f"{roll['ratio']:.2f}" if roll else "-",
+                      f"{per_s['vllm']:.1f} / {per_s['vanilla']:.1f}" if per_s else "-")
     Console().print(table)
 
 
