@@ -120,6 +120,28 @@ def test_no_file_in_the_package_over_400_lines():
     assert not long, long
 
 
+# Short functions (#70): each readable on one screen, top to bottom.
+SHORT_FUNCTIONS_IN = ("tpu_models", "loaders", "quant", "server")
+
+
+def test_no_function_over_60_lines():
+    import ast
+    long = {}
+    for folder in SHORT_FUNCTIONS_IN:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and (n := node.end_lineno - node.lineno + 1) > 60):
+                    long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
+    assert not long, long
+
+
+def test_no_test_file_over_500_lines():
+    long = {p.name: n for p in (ROOT / "tests").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
 def test_the_ledger_of_adaptations_is_in_step_with_the_code():
     run = subprocess.run([sys.executable, "-m", "tpu_models.adapt"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)

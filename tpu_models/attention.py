@@ -230,57 +230,59 @@ def _decode(out, q, paged, q_lens, seq_of, position, valid, *, scale, sliding_wi
     for all its rows, live or not, so few rows go in smaller blocks. A short
     request's queries are rows of their own, each up to its position: batched,
     where the prefill path would take the requests one after another."""
-    num_tokens, num_heads, head_dim = q.shape
-    kv_heads = paged.kv_heads
-    group = num_heads // kv_heads
+    num_tokens, _, head_dim = q.shape
     _, page_size, *slot_shape = paged.kv_cache.shape
     pages = max(1, kv_block // page_size)
-    block_keys = pages * page_size
     # One key's copy: all its slots, head_dim wide.
     key_bytes = math.prod(slot_shape[:-1]) * head_dim * paged.kv_cache.dtype.itemsize
-    block = max(1, min(block, num_tokens, block_bytes // (block_keys * key_bytes)))
+    block = max(1, min(block, num_tokens, block_bytes // (pages * page_size * key_bytes)))
     is_row = valid & (q_lens[seq_of] <= SHORT_QUERIES)
     num_decode = is_row.sum()
     decode_ids = jnp.nonzero(is_row, size=num_tokens, fill_value=num_tokens)[0]
     decode_ids = jnp.pad(decode_ids, (0, block), constant_values=num_tokens)
-    heads_first = (((3, ), (3, )), ((0, 1), (0, 1)))  # [D, K, G, H] x [D, K, keys, H]
-    keys_summed = (((3, ), (2, )), ((0, 1), (0, 1)))  # [D, K, G, keys] x [D, K, keys, H]
-
-    def request_block(i, out, block):
-        rows = lax.dynamic_slice(decode_ids, (i * block, ), (block, ))
-        valid = rows < num_tokens
-        rows = jnp.minimum(rows, num_tokens - 1)
-        ids = seq_of[rows]  # each row's request
-        # keys [lo, hi): up to the row's own position
-        hi = jnp.where(valid, position[rows] + 1, 0)
-        lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
-        # Each request reads from the page holding its window's first key: the
-        # pages before it may already be back in the pool (hybrid KV cache).
-        first_page = lo // page_size
-        qb = q[rows].reshape(block, kv_heads, group, head_dim).astype(jnp.float32)
-
-        def key_step(c, carry):
-            keys, values = _gather_keys(paged, ids, first_page, c, pages)  # [D, S*B, K, H]
-            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-            s = scale(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
-            pos = (first_page * page_size)[:, None] + c * block_keys + jnp.arange(block_keys)
-            mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
-            return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
-                carry, s, values, mask, lambda p, vals: lax.dot_general(p, vals, keys_summed))
-
-        steps = -(-(hi - first_page * page_size) // block_keys)
-        o = _attend_key_blocks(key_step, 0, jnp.where(valid, steps, 0).max(),
-                               (block, kv_heads, group), head_dim)  # [D, K, G, H]
-        o = o.reshape(block, num_heads, head_dim)
-        return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
 
     def attend(block):
-        body = functools.partial(request_block, block=block)
+        def body(i, out):
+            rows = lax.dynamic_slice(decode_ids, (i * block, ), (block, ))
+            return _decode_rows(out, rows, q, paged, seq_of, position, scale, sliding_window, pages)
         return lambda out: lax.fori_loop(0, -(-num_decode // block), body, out)
 
     sizes = sorted({1, min(4, block), block})  # the smallest that holds every decode
     branch = sum((num_decode > size).astype(jnp.int32) for size in sizes[:-1])
     return lax.switch(branch, [attend(size) for size in sizes], out)
+
+
+def _decode_rows(out, rows, q, paged, seq_of, position, scale, sliding_window, pages):
+    """Attends the query rows `rows` (num_tokens where unused), each up to its own
+    position, into their rows of out: their keys a block of `pages` pages at a time."""
+    num_tokens, num_heads, head_dim = q.shape
+    block, kv_heads, page_size = rows.shape[0], paged.kv_heads, paged.kv_cache.shape[1]
+    group, block_keys = num_heads // kv_heads, pages * page_size
+    heads_first = (((3, ), (3, )), ((0, 1), (0, 1)))  # [D, K, G, H] x [D, K, keys, H]
+    keys_summed = (((3, ), (2, )), ((0, 1), (0, 1)))  # [D, K, G, keys] x [D, K, keys, H]
+    valid, rows = rows < num_tokens, jnp.minimum(rows, num_tokens - 1)
+    ids = seq_of[rows]  # each row's request
+    hi = jnp.where(valid, position[rows] + 1, 0)  # keys [lo, hi): to its own position
+    lo = jnp.maximum(hi - sliding_window, 0) if sliding_window else jnp.zeros_like(hi)
+    # Each request reads from the page holding its window's first key: the
+    # pages before it may already be back in the pool (hybrid KV cache).
+    first_page = lo // page_size
+    qb = q[rows].reshape(block, kv_heads, group, head_dim).astype(jnp.float32)
+
+    def key_step(c, carry):
+        keys, values = _gather_keys(paged, ids, first_page, c, pages)  # [D, S*B, K, H]
+        keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        s = scale(lax.dot_general(qb, keys, heads_first))  # [D, K, G, S*B]
+        pos = (first_page * page_size)[:, None] + c * block_keys + jnp.arange(block_keys)
+        mask = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, None, :]
+        return _online_softmax_step(  # carry: [D, K, G], [D, K, G], [D, K, G, H]
+            carry, s, values, mask, lambda p, vals: lax.dot_general(p, vals, keys_summed))
+
+    steps = -(-(hi - first_page * page_size) // block_keys)
+    o = _attend_key_blocks(key_step, 0, jnp.where(valid, steps, 0).max(),
+                           (block, kv_heads, group), head_dim)  # [D, K, G, H]
+    o = o.reshape(block, num_heads, head_dim)
+    return out.at[jnp.where(valid, rows, out.shape[0])].set(o.astype(q.dtype), mode="drop")
 
 
 def _prefill(out, q, paged, seq_lens, cu_q_lens, q_lens, *, scale, sliding_window, q_block,

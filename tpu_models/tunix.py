@@ -155,14 +155,35 @@ def _kernel_layout(einsum_str: str) -> str:
     return f"({' '.join(outs)}) ({' '.join(ins)}) -> {' '.join(kernel)}"
 
 
+def _engine_weights(runner, arch, hf_shapes, rules) -> tuple[dict, dict]:
+    """Each engine weight's (Rule, einops layout from HF's or None) and its nnx.Variable,
+    by its HF name; a weight outside the HF table or without a trainer leaf is refused."""
+    from tpu_inference.layers.jax.linear import JaxEinsum
+    einsums = {node.prefix: node.einsum_str for _, node in nnx.iter_graph(runner.model)
+               if isinstance(node, JaxEinsum)}
+    weights, params = {}, {}
+    for path, var in nnx.to_flat_state(runner.state):
+        if not isinstance(var, nnx.Param):
+            continue
+        name = ".".join(str(p) for p in path)
+        if name not in hf_shapes:
+            raise SyncError(f"engine weight {name} is not in the {arch.hf_name} checkpoint "
+                            "table (a quantized or extended model is not synced)")
+        if name not in rules:
+            raise SyncError(f"engine weight {name} has no trainer leaf in Tunix's "
+                            f"{arch.hf_name} layout")
+        prefix = name.rsplit(".", 1)[0]
+        layout = (_kernel_layout(einsums[prefix])
+                  if prefix in einsums and name.endswith(".weight") else None)
+        weights[name] = (rules[name], layout)
+        params[name] = var
+    return weights, params
+
+
 class _Plan:
     """The engine's weights as functions of the trainer's leaves, checked once."""
 
     def __init__(self, mapping: RolloutMapping, runner, leaves):
-        from tpu_inference.layers.jax.linear import JaxEinsum
-
-        from tpu_models.lora_slots import AdapterSlots, targets
-
         self.mapping, self.runner = mapping, runner
         arch = registry.by_hf_name(type(runner.model).__name__)
         if arch.hf_name != mapping.architecture:
@@ -175,25 +196,22 @@ class _Plan:
             raise SyncError("the first sync must hold the trainer's full weights (nnx.Param), "
                             "not its LoRA parameters alone")
         rules = expand(arch.tunix.weight_rules(base), hf_config.num_hidden_layers)
-        einsums = {node.prefix: node.einsum_str for _, node in nnx.iter_graph(runner.model)
-                   if isinstance(node, JaxEinsum)}
-        self.weights = {}  # engine path (its HF name) -> (Rule, einops HF -> ours or None)
-        self.params = {}  # engine path -> its nnx.Variable
-        for path, var in nnx.to_flat_state(runner.state):
-            if not isinstance(var, nnx.Param):
-                continue
-            name = ".".join(str(p) for p in path)
-            if name not in hf_shapes:
-                raise SyncError(f"engine weight {name} is not in the {arch.hf_name} checkpoint "
-                                "table (a quantized or extended model is not synced)")
-            if name not in rules:
-                raise SyncError(f"engine weight {name} has no trainer leaf in Tunix's "
-                                f"{arch.hf_name} layout")
-            prefix = name.rsplit(".", 1)[0]
-            layout = (_kernel_layout(einsums[prefix])
-                      if prefix in einsums and name.endswith(".weight") else None)
-            self.weights[name] = (rules[name], layout)
-            self.params[name] = var
+        # By engine path (its HF name): (Rule, einops HF -> ours or None); its nnx.Variable.
+        self.weights, self.params = _engine_weights(runner, arch, hf_shapes, rules)
+        self._check_every_leaf_used(base)
+        self._check_shapes(leaves, base, hf_shapes)
+        self.base = {}  # trainer base leaves, kept for LoRA-only syncs (references)
+        self.lora = dict(arch.tunix.lora)
+        self._find_slots(runner)
+        shardings = {n: v.get_value().sharding for n, v in self.params.items()}
+        # The engine's previous weights are donated: the new ones take their buffers
+        # (no second copy of the model at the peak; nothing reads them between syncs).
+        self._weights_jit = jax.jit(lambda _old, sources, lora: self._convert(sources, lora),
+                                    donate_argnums=0, out_shardings=shardings)
+        self._slots_jit = jax.jit(self._adapter)
+
+    def _check_every_leaf_used(self, base: set[str]) -> None:
+        """Every engine weight has its trainer leaf, and every trainer leaf a weight."""
         if missing := [f"{name} (from {rule.source})" for name, (rule, _) in
                        self.weights.items() if rule.source not in base]:
             raise SyncError(f"engine weights with no trainer leaf: {', '.join(missing[:4])}"
@@ -202,6 +220,9 @@ class _Plan:
         if unused := sorted(base - used):
             raise SyncError(f"trainer leaves with no engine weight: {', '.join(unused[:6])}"
                             f"{' ...' if len(unused) > 6 else ''} ({len(unused)})")
+
+    def _check_shapes(self, leaves, base: set[str], hf_shapes) -> None:
+        """The trainer's shapes, converted, are the HF tensors' and the engine's."""
         abstract = {n: jax.ShapeDtypeStruct(leaves[n][1].shape, leaves[n][1].dtype) for n in base}
         hf = jax.eval_shape(lambda s: {n: self._hf(n, s) for n in self.params}, abstract)
         for name in self.params:  # the exporter's check: the HF tensor config.json implies
@@ -210,26 +231,22 @@ class _Plan:
                 rule = self.weights[name][0]
                 raise SyncError(f"trainer leaf {rule.source} {list(abstract[rule.source].shape)} "
                                 f"gives {name} {list(got)}; the engine's config.json implies "
-                                f"{list(want)} ({runner.model_config.model})")
+                                f"{list(want)} ({self.runner.model_config.model})")
         shapes = jax.eval_shape(lambda s: self._convert(s, {}), abstract)
         for name, var in self.params.items():  # and our kernels (vocabulary rows padded)
             if tuple(shapes[name].shape) != tuple(var.get_value().shape):
                 raise SyncError(f"{name}: {list(shapes[name].shape)} from the trainer, "
                                 f"{list(var.get_value().shape)} in the engine")
-        self.base = {}  # trainer base leaves, kept for LoRA-only syncs (references)
-        self.lora = dict(arch.tunix.lora)
+
+    def _find_slots(self, runner) -> None:
+        """The engine's LoRA slots (lora='slots' writes the adapter there) and their targets."""
+        from tpu_models.lora_slots import AdapterSlots, targets
         self.slots = runner.lora_manager if isinstance(
             getattr(runner, "lora_manager", None), AdapterSlots) else None
-        if mapping.lora_mode == "slots" and self.slots is None:
+        if self.mapping.lora_mode == "slots" and self.slots is None:
             raise SyncError("lora='slots' needs the engine started with --enable-lora "
                             "(tpu_models.adapt.tunix_rollout adds it)")
         self.targets = targets(runner.model) if self.slots else {}
-        shardings = {n: v.get_value().sharding for n, v in self.params.items()}
-        # The engine's previous weights are donated: the new ones take their buffers
-        # (no second copy of the model at the peak; nothing reads them between syncs).
-        self._weights_jit = jax.jit(lambda _old, sources, lora: self._convert(sources, lora),
-                                    donate_argnums=0, out_shardings=shardings)
-        self._slots_jit = jax.jit(self._adapter)
 
     # --- the conversion (traced) ---------------------------------------------------
 

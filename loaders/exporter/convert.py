@@ -156,9 +156,6 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
     alpha / rank, or written as a PEFT adapter with `adapter_only`.
     """
     check_out(out, overwrite)
-    import torch
-
-    from tpu_models.loaders.conversion_rules import expand
     from tpu_models.loaders.tunix import TunixCheckpoint
 
     base = _local(base, "--base")
@@ -178,30 +175,12 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
         if adapter_only:
             raise CheckpointError(f"{where}: --adapter-only needs a LoRA checkpoint; this one "
                                   "holds full weights")
-        rules = expand(source.weight_table(arch.tunix), config["num_hidden_layers"])
-        plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
-                           optional=optional)
-        dtypes, sizes = _planned(source, plan, table, dtype)
-        with HfWriter(out, overwrite=overwrite, source=str(checkpoint), planned=sizes) as writer:
-            for name, rule in _progress(plan, progress, "tensors"):
-                writer.add(name, np.ascontiguousarray(rule.to_hf_array(source.read(rule.source)),
-                                                      dtypes[name]))
-            copy_side_files(base, writer)
-            writer.write_json("config.json", _config_with_dtype(config, dtype))
+        _tunix_weights(source, checkpoint, base, out, arch=arch, config=config, table=table,
+                       optional=optional, dtype=dtype, overwrite=overwrite, progress=progress)
         return _written(out)
 
     alpha = lora_alpha if lora_alpha is not None else _alpha_from_metadata(source)
-    pairs = source.lora_pairs(arch.tunix)
-    rank = next(iter(pairs.values()))[0].shape[0]
-    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-                   "use_rslora": False, "bias": "none", "base_model_name_or_path": str(base),
-                   "target_modules": sorted({n.split(".")[-2] for n in pairs})}
-    tensors = {}
-    for name, (a, b) in pairs.items():
-        module = name.removesuffix(".weight")
-        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.from_numpy(np.ascontiguousarray(a))
-        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.from_numpy(np.ascontiguousarray(b))
-    adapter = LoraAdapter.from_tensors(peft_config, tensors, where)
+    adapter = _tunix_adapter(source, base, arch, alpha, where)
     adapter.check_base(table)
     if adapter_only:
         adapter.save(out, overwrite=overwrite)
@@ -212,6 +191,42 @@ def tunix(checkpoint: str | Path, base: str | Path, out: str | Path, *, arch,
         writer.add_all(adapter.merge(checkpoint_base.iter_tensors()))
         copy_side_files(base, writer)
     return _written(out)
+
+
+def _tunix_weights(source, checkpoint, base: Path, out, *, arch, config: dict, table: dict,
+                   optional: tuple, dtype: str | None, overwrite: bool, progress) -> None:
+    """A Tunix checkpoint of full weights, converted tensor by tensor (planned from
+    its metadata first, so that a wrong one is refused before a byte is written)."""
+    from tpu_models.loaders.conversion_rules import expand
+
+    where = str(source.orbax.item)
+    rules = expand(source.weight_table(arch.tunix), config["num_hidden_layers"])
+    plan = plan_export(source.shape, set(source.leaves), rules, table, where=where,
+                       optional=optional)
+    dtypes, sizes = _planned(source, plan, table, dtype)
+    with HfWriter(out, overwrite=overwrite, source=str(checkpoint), planned=sizes) as writer:
+        for name, rule in _progress(plan, progress, "tensors"):
+            writer.add(name, np.ascontiguousarray(rule.to_hf_array(source.read(rule.source)),
+                                                  dtypes[name]))
+        copy_side_files(base, writer)
+        writer.write_json("config.json", _config_with_dtype(config, dtype))
+
+
+def _tunix_adapter(source, base: Path, arch, alpha: float, where: str) -> LoraAdapter:
+    """A LoRA-only Tunix checkpoint's A and B as a PEFT adapter on `base`."""
+    import torch
+
+    pairs = source.lora_pairs(arch.tunix)
+    rank = next(iter(pairs.values()))[0].shape[0]
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                   "use_rslora": False, "bias": "none", "base_model_name_or_path": str(base),
+                   "target_modules": sorted({n.split(".")[-2] for n in pairs})}
+    tensors = {}
+    for name, (a, b) in pairs.items():
+        module = name.removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.from_numpy(np.ascontiguousarray(a))
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.from_numpy(np.ascontiguousarray(b))
+    return LoraAdapter.from_tensors(peft_config, tensors, where)
 
 
 def _alpha_from_metadata(source) -> float:

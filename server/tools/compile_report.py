@@ -147,10 +147,8 @@ def build(vllm_config, core, slice_) -> dict:
     weights = max(bytes_on(d, WEIGHTS) + bytes_on(d, DRAFT_WEIGHTS) for d in devices)
     # Buffers kept beside the cache: the penalties' counts, LoRA slots, the RNG key.
     other = max(bytes_on(d, HOST_INPUTS) for d in devices)
-    counts = penalty_counts_bytes()
     kv = max(bytes_on(d, KV_CACHE) for d in devices)
     transient = largest["transient_bytes"] if largest else 0
-    step = memory.step_of(vllm_config)
     concurrency = float(cache.kv_cache_max_concurrency or 0)
     per_request = kv / concurrency if concurrency else 0
     decode = min((p for p in compiled if p["name"] == "backbone"),
@@ -168,30 +166,42 @@ def build(vllm_config, core, slice_) -> dict:
         "max_model_len": vllm_config.model_config.max_model_len,
         "gpu_memory_utilization": cache.gpu_memory_utilization,
         "fits": not any("error" in p for p in programs) and weights + other + kv + transient <= hbm,
-        "per_chip": {"hbm_bytes": hbm, "weights_bytes": weights, "kv_cache_bytes": kv,
-                     "other_bytes": other,
-                     "buffers": {"penalty counts": counts,
-                                 "LoRA slots and other inputs": other - counts},
-                     "largest_program_temp_bytes": max((p["temp_bytes"] for p in serving),
-                                                       default=0),
-                     "largest_program_transient_bytes": transient,
-                     "weights_by_dtype": _weights_by_dtype(chip),
-                     "largest_program": _label(largest) if largest else None,
-                     # The bound the KV cache was sized to leave room for (tpu_models.memory).
-                     "largest_step_estimate_bytes": step.bytes, "largest_step_estimate": step.what,
-                     "free_bytes": hbm - weights - other - kv - transient},
+        "per_chip": _per_chip(chip, hbm, weights, kv, other, serving, largest,
+                              memory.step_of(vllm_config)),
         "kv_cache_tokens": int(cache.kv_cache_size_tokens or 0),
         "kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": cache.block_size,
         "max_concurrent_requests": round(concurrency, 2),
-        "decode_roofline": {
-            "bandwidth_bytes_per_second": bandwidth,
+        "decode_roofline": _decode_roofline(bandwidth, weights, kv, per_request, decode),
+        "programs": programs,
+    }
+
+
+def _per_chip(chip, hbm: int, weights: int, kv: int, other: int, serving: list[dict],
+              largest: dict | None, step) -> dict:
+    """A chip's memory: what its buffers hold, the largest program's needs, what is left."""
+    counts = penalty_counts_bytes()
+    transient = largest["transient_bytes"] if largest else 0
+    return {"hbm_bytes": hbm, "weights_bytes": weights, "kv_cache_bytes": kv,
+            "other_bytes": other,
+            "buffers": {"penalty counts": counts, "LoRA slots and other inputs": other - counts},
+            "largest_program_temp_bytes": max((p["temp_bytes"] for p in serving), default=0),
+            "largest_program_transient_bytes": transient,
+            "weights_by_dtype": _weights_by_dtype(chip),
+            "largest_program": _label(largest) if largest else None,
+            # The bound the KV cache was sized to leave room for (tpu_models.memory).
+            "largest_step_estimate_bytes": step.bytes, "largest_step_estimate": step.what,
+            "free_bytes": hbm - weights - other - kv - transient}
+
+
+def _decode_roofline(bandwidth: float, weights: int, kv: int, per_request: float,
+                     decode: dict | None) -> dict:
+    """A decode step's time if it only read the weights (and the KV cache) from HBM."""
+    return {"bandwidth_bytes_per_second": bandwidth,
             "weights_only_seconds": weights / bandwidth,
             "one_request_at_max_model_len_seconds": (weights + per_request) / bandwidth,
             "full_cache_seconds": (weights + kv) / bandwidth,
             "program": _label(decode) if decode else None,
-            "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None},
-        "programs": programs,
-    }
+            "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None}
 
 
 def penalty_counts_bytes() -> int:

@@ -15,7 +15,8 @@ import dataclasses
 from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS,
                                     SAMPLING_CHECKS, Patch, Target)
 # What adapt.sampling adds to the sampler: refused only where it could not be installed.
-from tpu_models.adapt.sampling import ADDED, RECENT
+from tpu_models.adapt.sampling import ADDED
+from tpu_models.penalties import RECENT
 
 # SamplingParams field -> whether a value asks for something the sampler ignores.
 IGNORED = {

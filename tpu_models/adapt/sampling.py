@@ -14,51 +14,11 @@ the device, a row per request, updated inside the sampling program from the
 tokens it samples.
 """
 
-import dataclasses
-import functools
-
 from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch,
                                     Target, rebind)
+from tpu_models.adapt.sampler_metadata import extended, metadata_class
 from tpu_models.adapt.sampler_programs import data_ranks, sample_extended, verify_extended
-from tpu_models.penalties import ANY_TOKEN, RECENT, bucket, token_counts
-
-
-@functools.cache
-def metadata_class():
-    import jax
-    from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
-
-    @functools.partial(
-        jax.tree_util.register_dataclass,
-        data_fields=["temperature", "top_k", "top_p", "_cache_collision_dummy", "min_p",
-                     "seeded", "seed_low", "seed_high", "position", "bias_ids", "bias",
-                     "allowed_ids", "restricted", "slot", "kept", "repetition", "frequency",
-                     "presence", "bad_last", "bad_prefix"],
-        meta_fields=["do_sampling", "logprobs", "drafts"])
-    @dataclasses.dataclass
-    class ExtendedMetadata(TPUSupportedSamplingMetadata):
-        min_p: object = None  # (rows,) f32, 0 for none
-        seeded: object = None  # (rows,) bool
-        seed_low: object = None  # (rows,) u32: the seed's two 32-bit halves
-        seed_high: object = None
-        position: object = None  # (rows,) i32: the sampled token's index in its sequence
-        bias_ids: object = None  # (rows, k) i32, the vocabulary size where unused
-        bias: object = None  # (rows, k) f32: logit_bias, and -inf on stop ids under min_tokens
-        allowed_ids: object = None  # (rows, k) i32, the vocabulary size where unused
-        restricted: object = None  # (rows,) bool: only allowed_ids may be drawn
-        # Penalties and bad words; None in a batch where no request asks for them.
-        slot: object = None  # (rows,) i32: the row's TokenCounts slot, `slots` for none
-        kept: object = None  # (rows,) bool: the sampled token is kept (not mid-prefill)
-        repetition: object = None  # (rows,) f32, 1 for none
-        frequency: object = None  # (rows,) f32, 0 for none
-        presence: object = None  # (rows,) f32, 0 for none
-        bad_last: object = None  # (rows, words) i32: a bad word's last id, vocab if unused
-        bad_prefix: object = None  # (rows, words, RECENT) i32: the ids before it, right-aligned
-        # Beside drafts, with penalties or bad words: the drafts a request may have. Its
-        # bonus token is then drawn in verification, which knows them (verify_extended).
-        drafts: int = 0
-
-    return ExtendedMetadata
+from tpu_models.penalties import token_counts
 
 
 class _DrawnInVerification:
@@ -105,7 +65,7 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
     step = getattr(input_batch, "_tpu_models_step", None)
     if not _WANTING or step is None:
         return metadata
-    num_scheduled, requests, drafts = step
+    _, requests, _ = step
     _WANTING.intersection_update(requests)
     ids = input_batch.req_ids
     per_rank = padded_num_reqs // len(req_indices_dp)
@@ -114,96 +74,27 @@ def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
             for row, index in enumerate(indices, start=rank * per_rank)]
     if not any(req_id in _WANTING for *_, req_id in rows):
         return metadata
-    import numpy as np
-    from tpu_inference.layers.jax.sample import sampling
-    from vllm.sampling_params import SamplingType
-    vocab = input_batch.vocab_size
-    n = padded_num_reqs
-    temperature = np.full(n, -1.0, np.float32)
-    top_k, top_p, min_p = np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32)
-    seeded, seed, position = np.zeros(n, bool), np.zeros(n, np.uint64), np.zeros(n, np.int32)
-    restricted = np.zeros(n, bool)
-    biases, allowed = [[] for _ in range(n)], [[] for _ in range(n)]
     counted = [(row, index, request, req_id) for row, index, request, req_id in rows
                if request.sampling_params is not None and _counted(request.sampling_params)]
-    if counted:
-        counts = token_counts(metadata._cache_collision_dummy.sharding.mesh,
-                               input_batch.max_num_reqs, vocab)
-        counts.forget(requests)
-        in_batch = {req_id for *_, req_id in rows}
-        slot, kept = np.full(n, counts.slots, np.int32), np.zeros(n, bool)
-        repetition, frequency, presence = (np.ones(n, np.float32), np.zeros(n, np.float32),
-                                           np.zeros(n, np.float32))
-        words = [[] for _ in range(n)]
-        for row, index, request, req_id in counted:
-            params = request.sampling_params
-            slot[row] = counts.slot_of(req_id, request, in_batch)
-            # tpu-inference's own test for a token it discards: one sampled mid-prefill.
-            kept[row] = (input_batch.num_computed_tokens_cpu[index]
-                         + num_scheduled.get(req_id, 0) >= request.num_tokens)
-            repetition[row] = params.repetition_penalty
-            frequency[row], presence[row] = params.frequency_penalty, params.presence_penalty
-            words[row] = params.bad_words_token_ids or []
-        counts.rebuild()
-        bad_last = np.full((n, bucket(max(map(len, words)))), vocab, np.int32)
-        bad_prefix = np.full((*bad_last.shape, RECENT), ANY_TOKEN, np.int32)
-        for row in range(n):
-            for w, word in enumerate(words[row]):
-                bad_last[row, w] = word[-1]
-                bad_prefix[row, w, RECENT - len(word) + 1:] = word[:-1]
-    for row, index, request, req_id in rows:
-        params = request.sampling_params
-        temperature[row] = input_batch.temperature_cpu[index]
-        top_k[row], top_p[row] = input_batch.top_k_cpu[index], input_batch.top_p_cpu[index]
-        min_p[row] = params.min_p
-        # The token sampled now is at this index of prompt + output.
-        position[row] = input_batch.num_computed_tokens_cpu[index] + num_scheduled.get(req_id, 0)
-        if params.sampling_type == SamplingType.RANDOM_SEED:
-            seeded[row] = True
-            seed[row] = params.seed & 0xFFFF_FFFF_FFFF_FFFF
-        biases[row] = list((params.logit_bias or {}).items())
-        if position[row] - request.num_prompt_tokens < params.min_tokens:
-            biases[row] += [(t, -np.inf) for t in params.all_stop_token_ids]
-        if params.allowed_token_ids is not None:
-            restricted[row], allowed[row] = True, params.allowed_token_ids
-    bias_ids = np.full((n, bucket(max(map(len, biases)))), vocab, np.int32)
-    bias = np.zeros(bias_ids.shape, np.float32)
-    allowed_ids = np.full((n, bucket(max(map(len, allowed)))), vocab, np.int32)
-    for row in range(n):
-        if biases[row]:
-            ids, values = zip(*biases[row])
-            bias_ids[row, :len(ids)], bias[row, :len(ids)] = ids, values
-        allowed_ids[row, :len(allowed[row])] = allowed[row]
-    from tpu_inference.utils import device_array
-    mesh = metadata._cache_collision_dummy.sharding.mesh
-
-    def put(values):
-        return device_array(mesh, values, sharding=sharding)
-    return metadata_class()(
-        temperature=put(temperature), top_k=put(top_k), top_p=put(top_p),
-        _cache_collision_dummy=metadata._cache_collision_dummy,
-        do_sampling=bool((temperature >= sampling._SAMPLING_EPS).any()),
-        logprobs=metadata.logprobs, min_p=put(min_p), seeded=put(seeded),
-        seed_low=put((seed & 0xFFFF_FFFF).astype(np.uint32)),
-        seed_high=put((seed >> np.uint64(32)).astype(np.uint32)), position=put(position),
-        bias_ids=put(bias_ids), bias=put(bias), allowed_ids=put(allowed_ids),
-        restricted=put(restricted),
-        **({} if not counted else dict(
-            drafts=drafts, slot=put(slot), kept=put(kept), repetition=put(repetition),
-            frequency=put(frequency), presence=put(presence), bad_last=put(bad_last),
-            bad_prefix=put(bad_prefix))))
+    return extended(metadata, input_batch, padded_num_reqs, sharding, rows, counted, step)
 
 
 def extras_sampled() -> None:
-    import jax
     from tpu_inference.layers.jax.sample import sampling
     from tpu_inference.layers.jax.sample.rejection_sampler import RejectionSampler
     from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
     from tpu_inference.runner.input_batch import InputBatch
     from tpu_inference.runner.tpu_runner import TPUModelRunner
 
-    original_prepare = TPUModelRunner._prepare_inputs
+    TPUModelRunner._prepare_inputs = _step_lent(TPUModelRunner._prepare_inputs)
+    InputBatch.add_request = _extras_noted(InputBatch.add_request)
+    TPUSupportedSamplingMetadata.from_input_batch = classmethod(
+        _metadata_extended(TPUSupportedSamplingMetadata.from_input_batch.__func__))
+    rebind(sampling.__name__, "sample", _sampler_extended(sampling.sample))
+    RejectionSampler.__call__ = _bonus_verified(RejectionSampler.__call__)
 
+
+def _step_lent(original_prepare):
     def _prepare_inputs(self, scheduler_output):
         # from_input_batch sees only the batch: lend it the requests and this step's sizes.
         spec = self.speculative_config
@@ -212,9 +103,10 @@ def extras_sampled() -> None:
                                              spec.num_speculative_tokens if spec else 0)
         return original_prepare(self, scheduler_output)
 
-    TPUModelRunner._prepare_inputs = _prepare_inputs
-    original_add = InputBatch.add_request
+    return _prepare_inputs
 
+
+def _extras_noted(original_add):
     def add_request(self, request, req_index=None, dp_rank=0):
         params = request.sampling_params
         if not _wants_extras(params):
@@ -230,17 +122,21 @@ def extras_sampled() -> None:
         finally:
             request.sampling_params = params
 
-    InputBatch.add_request = add_request
-    original_metadata = TPUSupportedSamplingMetadata.from_input_batch.__func__
+    return add_request
 
+
+def _metadata_extended(original_metadata):
     def from_input_batch(cls, mesh, input_batch, padded_num_reqs, req_indices_dp,
                          sharding=None):
         metadata = original_metadata(cls, mesh, input_batch, padded_num_reqs, req_indices_dp,
                                      sharding)
         return _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding)
 
-    TPUSupportedSamplingMetadata.from_input_batch = classmethod(from_input_batch)
-    original_sample = sampling.sample
+    return from_input_batch
+
+
+def _sampler_extended(original_sample):
+    import jax
     ours = jax.jit(sample_extended, static_argnames=["mesh"])
     # The counts are donated: updated in place, a step's new arrays the next's input.
     counting = jax.jit(sample_extended, static_argnames=["mesh"], donate_argnums=(4, 5))
@@ -271,9 +167,11 @@ def extras_sampled() -> None:
 
     # The precompiler builds plain metadata only, and lowers what has a `lower`.
     sample.lower, sample.__wrapped__ = original_sample.lower, traced
-    rebind("tpu_inference.layers.jax.sample.sampling", "sample", sample)
+    return sample
 
-    original_reject = RejectionSampler.__call__
+
+def _bonus_verified(original_reject):
+    import jax
     verifying = jax.jit(verify_extended, static_argnames=["ranks"],
                         donate_argnames=("counts", "recent"))
 
@@ -291,7 +189,7 @@ def extras_sampled() -> None:
             bonus_rng, key, counts.counts, counts.recent, ranks=data_ranks(self.mesh))
         return out
 
-    RejectionSampler.__call__ = __call__
+    return __call__
 
 
 class _AskingForLogprobs:

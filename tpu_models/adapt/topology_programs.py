@@ -73,73 +73,80 @@ def model_built_abstractly() -> None:
 
 
 def programs_compiled_not_run() -> None:
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_inference.runner.compilation_manager import CompilationManager, _describe_signature
-    from tpu_inference.utils import to_jax_dtype
-
-    def _create_dummy_tensor(self, shape, dtype, sharding=None):
-        sharding = sharding or NamedSharding(self.runner.mesh, PartitionSpec(None))
-        return buffer(jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype)), sharding,
-                         "precompilation inputs")
-
-    def _run_compilation(self, name, fn, *args, call_kwargs=dict(), warmup_handler=None,
-                         aot=True, compile_only=False, **kwargs):
-        program = Program(name, _describe_signature(kwargs))
-        PROGRAMS.append(program)
-        while isinstance(fn, functools.partial):  # as upstream: the jit's own static args
-            args, call_kwargs, fn = fn.args + args, {**fn.keywords, **call_kwargs}, fn.func
-        program.transient_input_bytes = transient_bytes(args, call_kwargs)
-        if not hasattr(fn, "lower"):  # its jits compile when the warm-up pass calls it
-            PROGRAMS.remove(program)
-            self._warmup_tasks.append((program, fn, args, call_kwargs, warmup_handler))
-            return
-        mesh = self.runner.mesh
-        began = time.perf_counter()
-        try:
-            with jax.set_mesh(mesh):
-                lowered = fn.lower(*args, **call_kwargs)
-        except Exception as e:  # named in the report
-            program.error = f"lowering failed: {type(e).__name__}: {e}"
-            return
-        program.lowering_seconds = time.perf_counter() - began
-        key = (getattr(fn, "__qualname__", repr(fn)),
-               hashlib.sha256(lowered.as_text().encode()).hexdigest())
-        if key in LOWERED:
-            program.same_as = LOWERED[key]
-            return
-        LOWERED[key] = program
-
-        def compile_():
-            began = time.perf_counter()
-            try:
-                with jax.set_mesh(mesh):
-                    program.costs = program_costs.of(lowered.compile(), KEEP_HLO_TEXT[0])
-            except Exception as e:
-                program.error = f"{type(e).__name__}: {e}"
-            program.seconds = time.perf_counter() - began
-
-        if self._compile_executor is None:
-            compile_()
-        else:
-            PENDING.append(self._compile_executor.submit(compile_))
-
-    def _flush_compilations(self):
-        tasks, self._warmup_tasks = self._warmup_tasks, []
-        for task, fn, args, call_kwargs, handler in tasks:
-            try:  # called with shapes: each jit it calls compiles, returns shapes
-                with _calls_compile(task, self.runner.mesh):
-                    handler(fn, args, call_kwargs) if handler else fn(*args, **call_kwargs)
-            except Exception as e:
-                if os.environ.get("TPU_MODELS_COMPILE_TRACEBACKS"):
-                    import traceback
-                    traceback.print_exc()
-                PROGRAMS.append(dataclasses.replace(
-                    task, error=f"its warm-up call failed: {type(e).__name__}: {e}"))
+    from tpu_inference.runner.compilation_manager import CompilationManager
 
     CompilationManager._create_dummy_tensor = _create_dummy_tensor
     CompilationManager._run_compilation = _run_compilation
     CompilationManager._flush_compilations = _flush_compilations
+
+
+def _create_dummy_tensor(self, shape, dtype, sharding=None):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.utils import to_jax_dtype
+    sharding = sharding or NamedSharding(self.runner.mesh, PartitionSpec(None))
+    return buffer(jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype)), sharding,
+                  "precompilation inputs")
+
+
+def _run_compilation(self, name, fn, *args, call_kwargs=dict(), warmup_handler=None,
+                     aot=True, compile_only=False, **kwargs):
+    import jax
+    from tpu_inference.runner.compilation_manager import _describe_signature
+    program = Program(name, _describe_signature(kwargs))
+    PROGRAMS.append(program)
+    while isinstance(fn, functools.partial):  # as upstream: the jit's own static args
+        args, call_kwargs, fn = fn.args + args, {**fn.keywords, **call_kwargs}, fn.func
+    program.transient_input_bytes = transient_bytes(args, call_kwargs)
+    if not hasattr(fn, "lower"):  # its jits compile when the warm-up pass calls it
+        PROGRAMS.remove(program)
+        self._warmup_tasks.append((program, fn, args, call_kwargs, warmup_handler))
+        return
+    mesh = self.runner.mesh
+    began = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            lowered = fn.lower(*args, **call_kwargs)
+    except Exception as e:  # named in the report
+        program.error = f"lowering failed: {type(e).__name__}: {e}"
+        return
+    program.lowering_seconds = time.perf_counter() - began
+    key = (getattr(fn, "__qualname__", repr(fn)),
+           hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    if key in LOWERED:
+        program.same_as = LOWERED[key]
+        return
+    LOWERED[key] = program
+    if self._compile_executor is None:
+        _compile(program, lowered, mesh)
+    else:
+        PENDING.append(self._compile_executor.submit(_compile, program, lowered, mesh))
+
+
+def _compile(program: Program, lowered, mesh) -> None:
+    """libtpu compiles `lowered`; its costs (or its error) and time go to `program`."""
+    import jax
+    began = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            program.costs = program_costs.of(lowered.compile(), KEEP_HLO_TEXT[0])
+    except Exception as e:
+        program.error = f"{type(e).__name__}: {e}"
+    program.seconds = time.perf_counter() - began
+
+
+def _flush_compilations(self):
+    tasks, self._warmup_tasks = self._warmup_tasks, []
+    for task, fn, args, call_kwargs, handler in tasks:
+        try:  # called with shapes: each jit it calls compiles, returns shapes
+            with _calls_compile(task, self.runner.mesh):
+                handler(fn, args, call_kwargs) if handler else fn(*args, **call_kwargs)
+        except Exception as e:
+            if os.environ.get("TPU_MODELS_COMPILE_TRACEBACKS"):
+                import traceback
+                traceback.print_exc()
+            PROGRAMS.append(dataclasses.replace(
+                task, error=f"its warm-up call failed: {type(e).__name__}: {e}"))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,165 @@
+"""The extended sampler's metadata (adapt.sampling installs it): `ExtendedMetadata`,
+and its arrays built on the host from a step's rows, a row per request laid out as
+tpu-inference lays them (a block per data-parallel rank)."""
+
+import dataclasses
+import functools
+
+from tpu_models.penalties import ANY_TOKEN, RECENT, bucket, token_counts
+
+
+@functools.cache
+def metadata_class():
+    import jax
+    from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
+
+    @functools.partial(
+        jax.tree_util.register_dataclass,
+        data_fields=["temperature", "top_k", "top_p", "_cache_collision_dummy", "min_p",
+                     "seeded", "seed_low", "seed_high", "position", "bias_ids", "bias",
+                     "allowed_ids", "restricted", "slot", "kept", "repetition", "frequency",
+                     "presence", "bad_last", "bad_prefix"],
+        meta_fields=["do_sampling", "logprobs", "drafts"])
+    @dataclasses.dataclass
+    class ExtendedMetadata(TPUSupportedSamplingMetadata):
+        min_p: object = None  # (rows,) f32, 0 for none
+        seeded: object = None  # (rows,) bool
+        seed_low: object = None  # (rows,) u32: the seed's two 32-bit halves
+        seed_high: object = None
+        position: object = None  # (rows,) i32: the sampled token's index in its sequence
+        bias_ids: object = None  # (rows, k) i32, the vocabulary size where unused
+        bias: object = None  # (rows, k) f32: logit_bias, and -inf on stop ids under min_tokens
+        allowed_ids: object = None  # (rows, k) i32, the vocabulary size where unused
+        restricted: object = None  # (rows,) bool: only allowed_ids may be drawn
+        # Penalties and bad words; None in a batch where no request asks for them.
+        slot: object = None  # (rows,) i32: the row's TokenCounts slot, `slots` for none
+        kept: object = None  # (rows,) bool: the sampled token is kept (not mid-prefill)
+        repetition: object = None  # (rows,) f32, 1 for none
+        frequency: object = None  # (rows,) f32, 0 for none
+        presence: object = None  # (rows,) f32, 0 for none
+        bad_last: object = None  # (rows, words) i32: a bad word's last id, vocab if unused
+        bad_prefix: object = None  # (rows, words, RECENT) i32: the ids before it, right-aligned
+        # Beside drafts, with penalties or bad words: the drafts a request may have. Its
+        # bonus token is then drawn in verification, which knows them (verify_extended).
+        drafts: int = 0
+
+    return ExtendedMetadata
+
+
+def extended(metadata, input_batch, n, sharding, rows, counted, step):
+    """ExtendedMetadata of `n` rows (padded) for a step's `rows`, each (row, index in
+    the batch, request, request id); `counted`: those of them whose penalties or bad
+    words read TokenCounts. `step`: (tokens scheduled, requests, drafts)."""
+    import numpy as np
+    from tpu_inference.layers.jax.sample import sampling
+    from tpu_inference.utils import device_array
+
+    num_scheduled, requests, drafts = step
+    vocab = input_batch.vocab_size
+    if counted:
+        penalties = _penalty_arrays(metadata, input_batch, n, rows, counted, num_scheduled,
+                                    requests)
+    settings, biases, allowed = _row_arrays(input_batch, n, rows, num_scheduled)
+    bias_ids, bias, allowed_ids = _id_tables(n, vocab, biases, allowed)
+    mesh = metadata._cache_collision_dummy.sharding.mesh
+
+    def put(values):
+        return device_array(mesh, values, sharding=sharding)
+    temperature, seed = settings["temperature"], settings["seed"]
+    return metadata_class()(
+        temperature=put(temperature), top_k=put(settings["top_k"]),
+        top_p=put(settings["top_p"]), _cache_collision_dummy=metadata._cache_collision_dummy,
+        do_sampling=bool((temperature >= sampling._SAMPLING_EPS).any()),
+        logprobs=metadata.logprobs, min_p=put(settings["min_p"]),
+        seeded=put(settings["seeded"]), seed_low=put((seed & 0xFFFF_FFFF).astype(np.uint32)),
+        seed_high=put((seed >> np.uint64(32)).astype(np.uint32)),
+        position=put(settings["position"]), bias_ids=put(bias_ids), bias=put(bias),
+        allowed_ids=put(allowed_ids), restricted=put(settings["restricted"]),
+        **({} if not counted else dict(
+            drafts=drafts, **{name: put(values) for name, values in penalties.items()})))
+
+
+def _row_arrays(input_batch, n, rows, num_scheduled):
+    """Each row's temperature, top-k, top-p, min_p, seed and position; and its
+    logit_bias (with min_tokens' stop ids) and allowed ids, as lists."""
+    import numpy as np
+    from vllm.sampling_params import SamplingType
+
+    temperature = np.full(n, -1.0, np.float32)
+    top_k, top_p, min_p = np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32)
+    seeded, seed, position = np.zeros(n, bool), np.zeros(n, np.uint64), np.zeros(n, np.int32)
+    restricted = np.zeros(n, bool)
+    biases, allowed = [[] for _ in range(n)], [[] for _ in range(n)]
+    for row, index, request, req_id in rows:
+        params = request.sampling_params
+        temperature[row] = input_batch.temperature_cpu[index]
+        top_k[row], top_p[row] = input_batch.top_k_cpu[index], input_batch.top_p_cpu[index]
+        min_p[row] = params.min_p
+        # The token sampled now is at this index of prompt + output.
+        position[row] = input_batch.num_computed_tokens_cpu[index] + num_scheduled.get(req_id, 0)
+        if params.sampling_type == SamplingType.RANDOM_SEED:
+            seeded[row] = True
+            seed[row] = params.seed & 0xFFFF_FFFF_FFFF_FFFF
+        biases[row] = list((params.logit_bias or {}).items())
+        if position[row] - request.num_prompt_tokens < params.min_tokens:
+            biases[row] += [(t, -np.inf) for t in params.all_stop_token_ids]
+        if params.allowed_token_ids is not None:
+            restricted[row], allowed[row] = True, params.allowed_token_ids
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    seeded=seeded, seed=seed, position=position, restricted=restricted)
+    return settings, biases, allowed
+
+
+def _id_tables(n, vocab, biases, allowed):
+    """The rows' (id, bias) lists and allowed ids as [rows, k] tables, k a bucket
+    (few compiled shapes); unused entries hold the vocabulary size."""
+    import numpy as np
+    bias_ids = np.full((n, bucket(max(map(len, biases)))), vocab, np.int32)
+    bias = np.zeros(bias_ids.shape, np.float32)
+    allowed_ids = np.full((n, bucket(max(map(len, allowed)))), vocab, np.int32)
+    for row in range(n):
+        if biases[row]:
+            ids, values = zip(*biases[row])
+            bias_ids[row, :len(ids)], bias[row, :len(ids)] = ids, values
+        allowed_ids[row, :len(allowed[row])] = allowed[row]
+    return bias_ids, bias, allowed_ids
+
+
+def _penalty_arrays(metadata, input_batch, n, rows, counted, num_scheduled, requests) -> dict:
+    """The penalties' and bad words' arrays for the `counted` rows, each given its
+    TokenCounts slot (the counts rebuilt for requests new to them)."""
+    import numpy as np
+    counts = token_counts(metadata._cache_collision_dummy.sharding.mesh,
+                          input_batch.max_num_reqs, input_batch.vocab_size)
+    counts.forget(requests)
+    in_batch = {req_id for *_, req_id in rows}
+    slot, kept = np.full(n, counts.slots, np.int32), np.zeros(n, bool)
+    repetition, frequency, presence = (np.ones(n, np.float32), np.zeros(n, np.float32),
+                                       np.zeros(n, np.float32))
+    words = [[] for _ in range(n)]
+    for row, index, request, req_id in counted:
+        params = request.sampling_params
+        slot[row] = counts.slot_of(req_id, request, in_batch)
+        # tpu-inference's own test for a token it discards: one sampled mid-prefill.
+        kept[row] = (input_batch.num_computed_tokens_cpu[index]
+                     + num_scheduled.get(req_id, 0) >= request.num_tokens)
+        repetition[row] = params.repetition_penalty
+        frequency[row], presence[row] = params.frequency_penalty, params.presence_penalty
+        words[row] = params.bad_words_token_ids or []
+    counts.rebuild()
+    bad_last, bad_prefix = _bad_word_tables(n, input_batch.vocab_size, words)
+    return dict(slot=slot, kept=kept, repetition=repetition, frequency=frequency,
+                presence=presence, bad_last=bad_last, bad_prefix=bad_prefix)
+
+
+def _bad_word_tables(n, vocab, words):
+    """Each row's bad words as their last ids [rows, words] and the ids before them,
+    right-aligned [rows, words, RECENT] (ANY_TOKEN where a word is shorter)."""
+    import numpy as np
+    bad_last = np.full((n, bucket(max(map(len, words)))), vocab, np.int32)
+    bad_prefix = np.full((*bad_last.shape, RECENT), ANY_TOKEN, np.int32)
+    for row in range(n):
+        for w, word in enumerate(words[row]):
+            bad_last[row, w] = word[-1]
+            bad_prefix[row, w, RECENT - len(word) + 1:] = word[:-1]
+    return bad_last, bad_prefix
