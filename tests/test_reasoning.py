@@ -243,10 +243,9 @@ def test_tunix_reasoning_and_answer(servers, stream):
         assert got.token_ids == reply, (name, got)  # transformers' greedy, EOS included
         assert (got.reasoning, got.content, got.finish_reason) == expected, (name, got)
         assert got.tool_calls == []
-        # Streamed in pieces; how many depends on load, as vLLM merges the deltas a
-        # client has not read yet (token by token: test_frontend_streams_token_by_token_*).
-        if stream:
-            assert got.pieces > 1, got
+        # How many pieces a stream arrives in depends on load: vLLM merges the deltas a
+        # client has not read yet, into one under a loaded suite (token by token:
+        # test_frontend_streams_token_by_token_*). The parsed text above is the check.
 
 
 @pytest.mark.e2e
