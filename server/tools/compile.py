@@ -74,7 +74,7 @@ def main(argv: list[str]) -> None:
     compile_report.keep_hlo_text(bool(args.dump_hlo))
     began = time.perf_counter()
     try:
-        with compile_report.progress(slice_.name), logs.stdout_without(logs.GLOO_CONNECTED):
+        with compile_report.progress(slice_.name):  # gloo's lines: adapt/engine.py
             config, core = start_engine(model, vllm_args)
     except CannotRun as e:
         sys.exit(_fail(2, f"cannot run: {e}"))

@@ -257,18 +257,14 @@ def unfused_programs_at_first_use() -> None:
     # Off-TPU, with EAGLE-3 steps fused (adapt.spec_fusion), upstream's speculative
     # programs (rejection samplers, row selections, the draft's passes: 290 of the
     # demo's 370) run only in the steps the fused one leaves them (logprobs, penalties).
-    from tpu_inference import envs
     from tpu_inference.runner.compilation_manager import CompilationManager
 
-    from tpu_models.adapt import guard
+    from tpu_models.adapt import spec_fusion
 
     original = CompilationManager._precompile_speculative_decoding
 
     def _precompile_speculative_decoding(self):
-        runner = self.runner
-        if (runner.speculative_config.method != "eagle3" or runner.dp_size != 1
-                or os.environ.get("TPU_MODELS_SPEC_FUSION") == "0"
-                or guard.SPEC_FUSION.name in guard.refused() or envs.VLLM_XLA_CHECK_RECOMPILATION):
+        if not spec_fusion.fuses(self.runner):
             return original(self)
         _logger().info("tpu-models: EAGLE-3's unfused programs (for steps with logprobs or "
                        "penalties) compile when a step first needs them")

@@ -91,30 +91,40 @@ def _compiled():
     return jax.jit(verify_and_draft, static_argnums=(0, 1), donate_argnames=("kv_caches", ))
 
 
-def eligible(runner, a: dict) -> bool:
-    """The steps `verify_and_draft` covers: EAGLE-3 on one data-parallel rank, no
-    logprobs of either kind, no penalties or bad words, compiling allowed at run
-    time. Not on a multi-chip TPU: there upstream's sampler and draft jits carry
-    collective options (xla_tpu_*, one against a v7x deadlock) that this one program
-    would not."""
+def fuses(runner) -> bool:
+    """Whether this runner's EAGLE-3 steps can run as one program: the patch installed
+    (not refused, not TPU_MODELS_SPEC_FUSION=0), EAGLE-3 on one data-parallel rank,
+    compiling allowed at run time. Not on a multi-chip TPU: there upstream's sampler
+    and draft jits carry collective options (xla_tpu_*, one against a v7x deadlock)
+    that this one program would not."""
     from tpu_inference import envs
-    from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
     from tpu_inference.runner import tpu_runner
     from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
 
+    from tpu_models.adapt import guard
     from tpu_models.host import host_platform
 
-    spec, sampling = a["spec_decode_metadata"], a["tpu_sampling_metadata"]
-    return (spec is not None and runner.speculative_config.method == "eagle3"
+    return (os.environ.get("TPU_MODELS_SPEC_FUSION") != "0"
+            and guard.SPEC_FUSION.name not in guard.refused()
+            and runner.speculative_config.method == "eagle3"
             and isinstance(runner.drafter, Eagle3Proposer) and runner.dp_size == 1
-            and runner.is_last_rank and isinstance(sampling, TPUSupportedSamplingMetadata)
+            and runner.is_last_rank and hasattr(tpu_runner.sample, "__wrapped__")
+            and (host_platform() is not None or runner.mesh.size == 1)
+            and not envs.VLLM_XLA_CHECK_RECOMPILATION)
+
+
+def eligible(runner, a: dict) -> bool:
+    """The steps `verify_and_draft` covers: a runner that `fuses`, no logprobs of
+    either kind, no penalties or bad words."""
+    from tpu_inference.layers.jax.sample.sampling_metadata import TPUSupportedSamplingMetadata
+
+    spec, sampling = a["spec_decode_metadata"], a["tpu_sampling_metadata"]
+    return (spec is not None and isinstance(sampling, TPUSupportedSamplingMetadata)
             and not sampling.logprobs and a["full_logits"] is None
             # Penalties or bad words: verified with the device's counts (adapt.sampling).
             and getattr(sampling, "slot", None) is None
             and a["input_ids"] is not None and len(a["aux_hidden_states"] or ()) > 0
-            and hasattr(tpu_runner.sample, "__wrapped__")
-            and (host_platform() is not None or runner.mesh.size == 1)
-            and not envs.VLLM_XLA_CHECK_RECOMPILATION)
+            and fuses(runner))
 
 
 def draft_attention(attn_metadata):
