@@ -51,22 +51,27 @@ def buffer(x, sharding, holds: str):
     return out
 
 
+def _shard_bytes(x) -> int:
+    """Bytes of one device's shard of the placed abstract array `x`."""
+    import math
+    try:
+        shard = x.sharding.shard_shape(x.shape)
+    except ValueError:  # a spec its shape cannot split: XLA keeps it whole
+        shard = x.shape
+    return math.prod(shard) * x.dtype.itemsize
+
+
 def bytes_by_dtype(device, holds: str | None = None) -> dict[str, int]:
     """Bytes of the live abstract buffers (those holding `holds`, or all) on `device`,
     by dtype."""
-    import math
     out: dict[str, int] = {}
     for x in list(_live.values()):
         if holds is not None and x.holds != holds:
             continue
         if x.sharding is None or device not in x.sharding.device_set:
             continue
-        try:
-            shard = x.sharding.shard_shape(x.shape)
-        except ValueError:  # a spec its shape cannot split: XLA keeps it whole
-            shard = x.shape
         name = str(x.dtype)
-        out[name] = out.get(name, 0) + math.prod(shard) * x.dtype.itemsize
+        out[name] = out.get(name, 0) + _shard_bytes(x)
     return out
 
 
@@ -98,20 +103,14 @@ class Program:
 
 def transient_bytes(*trees) -> int:
     """A chip's bytes of the step-only inputs among `trees` (the most any chip holds)."""
-    import math
-
     import jax
     per_device: dict = {}
     for x in jax.tree.leaves(trees):
         if (not isinstance(x, jax.ShapeDtypeStruct) or getattr(x, "holds", None) in KEPT
                 or x.sharding is None):
             continue
-        try:
-            shard = x.sharding.shard_shape(x.shape)
-        except ValueError:
-            shard = x.shape
         for d in x.sharding.device_set:
-            per_device[d] = per_device.get(d, 0) + math.prod(shard) * x.dtype.itemsize
+            per_device[d] = per_device.get(d, 0) + _shard_bytes(x)
     return max(per_device.values(), default=0)
 
 
