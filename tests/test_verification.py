@@ -1,4 +1,4 @@
-"""Drafts verified with penalties and bad words (adapt.sampler_programs.verify_extended),
+"""Drafts verified with penalties and bad words (sampler.programs.verify_extended),
 against vLLM's own definitions beside drafts: its rejection sampler's outputs
 combined with the drafts before each position (_combine_outputs_with_spec_tokens),
 apply_all_penalties and apply_bad_words_with_drafts, over random logits. A draft is
@@ -66,8 +66,9 @@ def test_drafts_are_verified_with_the_counts_of_the_drafts_before_them(ranks, sa
     from jax.sharding import Mesh
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    from tpu_models.adapt import sampler_programs, sampling
-    from tpu_models.penalties import ANY_TOKEN, IN_PROMPT, NO_TOKEN, RECENT, TokenCounts
+    from tpu_models.sampler import metadata as sampler_metadata
+    from tpu_models.sampler import programs
+    from tpu_models.sampler.counts import ANY_TOKEN, IN_PROMPT, NO_TOKEN, RECENT, TokenCounts
 
     rng = np.random.default_rng(7 + ranks + 2 * sampled)
     margin = PEAKED if sampled else DECISIVE
@@ -141,7 +142,7 @@ def test_drafts_are_verified_with_the_counts_of_the_drafts_before_them(ranks, sa
             words[r, w] = word[-1]
             prefix[r, w, RECENT - len(word) + 1:] = word[:-1]
     zeros = jnp.zeros(rows_total, jnp.int32)
-    metadata = sampling.metadata_class()(
+    metadata = sampler_metadata.metadata_class()(
         temperature=jnp.full(rows_total, TEMPERATURE if sampled else -1.0), top_k=zeros,
         top_p=jnp.ones(rows_total), _cache_collision_dummy=None, do_sampling=sampled,
         logprobs=False, min_p=jnp.zeros(rows_total), seeded=jnp.zeros(rows_total, bool),
@@ -153,8 +154,8 @@ def test_drafts_are_verified_with_the_counts_of_the_drafts_before_them(ranks, sa
         repetition=per_row("repetition", 1.0), frequency=per_row("frequency", 0.0),
         presence=per_row("presence", 0.0), bad_last=jnp.array(words),
         bad_prefix=jnp.array(prefix), drafts=K)
-    out, new_counts, new_recent = jax.jit(sampler_programs.verify_extended,
-                                                 static_argnames=["ranks"])(
+    out, new_counts, new_recent = jax.jit(programs.verify_extended,
+                                          static_argnames=["ranks"])(
         jnp.array(draft_ids), jnp.array(num_draft), jnp.array(target), jnp.array(bonus),
         metadata, jax.random.key(1), jax.random.key(2), counts.counts, counts.recent,
         ranks=ranks)

@@ -12,7 +12,8 @@ import contextlib
 import re
 import sys
 
-from tpu_models import memory, penalties
+from tpu_models import memory
+from tpu_models.sampler import counts
 from tpu_models.slice_accounting import (
     DRAFT_WEIGHTS, HOST_INPUTS, KEEP_HLO_TEXT, KV_CACHE, PROGRAMS, WEIGHTS, Program, bytes_by_dtype,
     bytes_on, settled)
@@ -206,7 +207,7 @@ def _decode_roofline(bandwidth: float, weights: int, kv: int, per_request: float
 
 def penalty_counts_bytes() -> int:
     """A chip's bytes of the penalties' counts (allocated at start-up, replicated)."""
-    return penalties.allocated_bytes_a_chip()
+    return counts.allocated_bytes_a_chip()
 
 
 def _kv_element_type(runner) -> str | None:

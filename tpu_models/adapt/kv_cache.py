@@ -22,10 +22,10 @@ from tpu_models.adapt.guard import HYBRID_KV, KV_BUDGET, Patch, Target, our_mode
 
 def buffers_beside_the_cache(runner) -> None:
     """Allocates what the engine keeps beside the KV cache and would otherwise allocate
-    later, out of the cache's room: the penalties' counts (tpu_models.penalties)."""
+    later, out of the cache's room: the penalties' counts (tpu_models.sampler.counts)."""
     from tpu_inference.logger import init_logger
 
-    from tpu_models.penalties import allocate, bytes_a_chip
+    from tpu_models.sampler.counts import allocate, bytes_a_chip
     slots, vocab = runner.max_num_reqs, runner.model_config.get_vocab_size()
     allocate(runner.mesh, slots, vocab)
     init_logger("tpu_models.adapt").info(

@@ -14,9 +14,9 @@ import dataclasses
 
 from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS,
                                     SAMPLING_CHECKS, Patch, Target)
+from tpu_models.sampler.counts import RECENT
 # What adapt.sampling adds to the sampler: refused only where it could not be installed.
-from tpu_models.adapt.sampling import ADDED
-from tpu_models.penalties import RECENT
+from tpu_models.sampler.metadata import ADDED
 
 # SamplingParams field -> whether a value asks for something the sampler ignores.
 IGNORED = {
@@ -25,7 +25,7 @@ IGNORED = {
 }
 # Drafts are verified by tpu-inference's rejection sampler (vLLM itself refuses min_p
 # and logit_bias beside drafts). Penalties and bad words are applied there
-# (adapt.sampler_programs.verify_extended); a seed would not reproduce (drafts are
+# (sampler.programs.verify_extended); a seed would not reproduce (drafts are
 # verified with the batch's key), and allowed ids and min_tokens are not applied there.
 NOT_WITH_DRAFTS = ("seed", "allowed_token_ids", "min_tokens")
 
@@ -145,7 +145,7 @@ def parameters_checked() -> None:
 
 def bad_words_checked() -> None:
     """A bad word's ids before its last are matched against the request's last RECENT
-    output ids (adapt.sampling.TokenCounts): a longer word is refused, not cut."""
+    output ids (sampler.counts.TokenCounts): a longer word is refused, not cut."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 

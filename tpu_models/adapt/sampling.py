@@ -2,81 +2,36 @@
 min_tokens, the presence, frequency and repetition penalties and bad words.
 
 Its sampler applies temperature, top-k and top-p. A batch in which some request
-sets one of ours gets our metadata (`ExtendedMetadata`), which its sample() hands
-to ours (`sample_extended`); other batches keep tpu-inference's metadata and
-compiled sampler, so requests without them run as before. For every model
-tpu-inference runs. logprobs=0 (the sampled token's log-probability, what chat's
-`logprobs: true` asks for) is served, and logprobs beside drafts.
+sets one of ours gets our metadata (sampler.metadata.ExtendedMetadata), which its
+sample() hands to ours (sampler.programs); other batches keep tpu-inference's
+metadata and compiled sampler, so requests without them run as before. For every
+model tpu-inference runs. logprobs=0 (the sampled token's log-probability, what
+chat's `logprobs: true` asks for) is served, and logprobs beside drafts.
 
-Penalties and bad words read what a request has generated, which under
-asynchronous scheduling the host learns a step late: `TokenCounts` keeps it on
-the device, a row per request, updated inside the sampling program from the
-tokens it samples.
+A request's presence_penalty, for one: `prepare_inputs` notes the step
+(adapt.state.Step), `from_input_batch` builds our metadata from it
+(sampler.metadata.for_step: its `presence` row), `sample` or, beside drafts,
+`verify_bonus` runs the program that penalizes the logits (sampler.programs:
+`penalize`).
 """
 
+from tpu_models.adapt import state
 from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch,
                                     Target, rebind)
-from tpu_models.adapt.sampler_metadata import extended, metadata_class
-from tpu_models.adapt.sampler_programs import data_ranks, sample_extended, verify_extended
-from tpu_models.penalties import token_counts
+from tpu_models.sampler import metadata as extended_metadata
+from tpu_models.sampler import programs
 
 
-class _DrawnInVerification:
-    """The bonus token ids a penalized step beside drafts hands the rejection sampler,
-    which draws them (verify_extended)."""
+class DrawnInVerification:
+    """The bonus token ids a penalized step beside drafts hands the rejection sampler
+    (upstream passes `sample`'s result on as they are): its rng and logits, drawn in
+    verification, which knows the drafts (sampler.programs.verify)."""
+
+    def __init__(self, rng, logits):
+        self.rng, self.logits = rng, logits
 
     def __repr__(self):
         return "<bonus token ids: drawn in verification (tpu_models.adapt.sampling)>"
-
-
-# What we add to the sampler: SamplingParams field -> whether a request asks for it.
-# (A seed at temperature 0 asks for nothing: greedy decoding is reproducible.)
-ADDED = {
-    "min_p": lambda p: p.min_p > 0,
-    "seed": lambda p: p.sampling_type.name == "RANDOM_SEED",
-    "logit_bias": lambda p: bool(p.logit_bias),
-    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
-    "min_tokens": lambda p: p.min_tokens > 0,
-    "presence_penalty": lambda p: p.presence_penalty != 0,
-    "frequency_penalty": lambda p: p.frequency_penalty != 0,
-    "repetition_penalty": lambda p: p.repetition_penalty != 1,
-    "bad_words": lambda p: bool(p.bad_words),
-}
-# Those that read what the request has seen (TokenCounts).
-COUNTED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
-
-
-def _counted(params) -> bool:
-    return any(ADDED[name](params) for name in COUNTED)
-
-
-def _wants_extras(params) -> bool:
-    return params is not None and any(is_set(params) for is_set in ADDED.values())
-
-
-# Live requests that need ExtendedMetadata (added with the request, pruned as they
-# finish): a step without any costs one test of this set.
-_WANTING: set[str] = set()
-
-
-def _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding):
-    """tpu-inference's metadata, or ours when a scheduled request needs it. Rows are
-    laid out as tpu-inference lays them (a block per data-parallel rank)."""
-    step = getattr(input_batch, "_tpu_models_step", None)
-    if not _WANTING or step is None:
-        return metadata
-    _, requests, _ = step
-    _WANTING.intersection_update(requests)
-    ids = input_batch.req_ids
-    per_rank = padded_num_reqs // len(req_indices_dp)
-    rows = [(row, index, requests[ids[index]], ids[index])
-            for rank, indices in req_indices_dp.items()
-            for row, index in enumerate(indices, start=rank * per_rank)]
-    if not any(req_id in _WANTING for *_, req_id in rows):
-        return metadata
-    counted = [(row, index, request, req_id) for row, index, request, req_id in rows
-               if request.sampling_params is not None and _counted(request.sampling_params)]
-    return extended(metadata, input_batch, padded_num_reqs, sharding, rows, counted, step)
 
 
 def extras_sampled() -> None:
@@ -86,110 +41,88 @@ def extras_sampled() -> None:
     from tpu_inference.runner.input_batch import InputBatch
     from tpu_inference.runner.tpu_runner import TPUModelRunner
 
-    TPUModelRunner._prepare_inputs = _step_lent(TPUModelRunner._prepare_inputs)
-    InputBatch.add_request = _extras_noted(InputBatch.add_request)
-    TPUSupportedSamplingMetadata.from_input_batch = classmethod(
-        _metadata_extended(TPUSupportedSamplingMetadata.from_input_batch.__func__))
-    rebind(sampling.__name__, "sample", _sampler_extended(sampling.sample))
-    RejectionSampler.__call__ = _bonus_verified(RejectionSampler.__call__)
+    if originals:  # installed already
+        return
+    originals.update(prepare=TPUModelRunner._prepare_inputs, add=InputBatch.add_request,
+                     metadata=TPUSupportedSamplingMetadata.from_input_batch.__func__,
+                     sample=sampling.sample, reject=RejectionSampler.__call__)
+    TPUModelRunner._prepare_inputs = prepare_inputs
+    InputBatch.add_request = add_request
+    TPUSupportedSamplingMetadata.from_input_batch = classmethod(from_input_batch)
+    sample.lower, sample.__wrapped__ = sampling.sample.lower, sample_traced
+    rebind(sampling.__name__, "sample", sample)
+    RejectionSampler.__call__ = verify_bonus
 
 
-def _step_lent(original_prepare):
-    def _prepare_inputs(self, scheduler_output):
-        # from_input_batch sees only the batch: lend it the requests and this step's sizes.
-        spec = self.speculative_config
-        self.input_batch._tpu_models_step = (scheduler_output.num_scheduled_tokens,
-                                             self.requests,
-                                             spec.num_speculative_tokens if spec else 0)
-        return original_prepare(self, scheduler_output)
-
-    return _prepare_inputs
+originals: dict = {}  # upstream's functions the replacements below call
 
 
-def _extras_noted(original_add):
-    def add_request(self, request, req_index=None, dp_rank=0):
-        params = request.sampling_params
-        if not _wants_extras(params):
-            return original_add(self, request, req_index, dp_rank)
-        _WANTING.add(request.req_id)
-        if params.allowed_token_ids is None:
-            return original_add(self, request, req_index, dp_rank)
-        # Its own mask for allowed ids is allocated wrongly (the engine died); ours applies.
-        request.sampling_params = params.clone()
-        request.sampling_params.allowed_token_ids = None
-        try:
-            return original_add(self, request, req_index, dp_rank)
-        finally:
-            request.sampling_params = params
-
-    return add_request
+def prepare_inputs(self, scheduler_output):
+    """TPUModelRunner._prepare_inputs, its step noted for from_input_batch."""
+    seam = state.of(self)
+    spec = self.speculative_config
+    seam.step = state.Step(scheduler_output.num_scheduled_tokens, self.requests,
+                           spec.num_speculative_tokens if spec else 0)
+    with state.preparing(seam):
+        return originals["prepare"](self, scheduler_output)
 
 
-def _metadata_extended(original_metadata):
-    def from_input_batch(cls, mesh, input_batch, padded_num_reqs, req_indices_dp,
-                         sharding=None):
-        metadata = original_metadata(cls, mesh, input_batch, padded_num_reqs, req_indices_dp,
+def add_request(self, request, req_index=None, dp_rank=0):
+    """InputBatch.add_request: allowed_token_ids hidden from it, ours applies them
+    (its own mask for them was allocated wrongly: the engine died)."""
+    params = request.sampling_params
+    if params is None or params.allowed_token_ids is None:
+        return originals["add"](self, request, req_index, dp_rank)
+    request.sampling_params = params.clone()
+    request.sampling_params.allowed_token_ids = None
+    try:
+        return originals["add"](self, request, req_index, dp_rank)
+    finally:
+        request.sampling_params = params
+
+
+def from_input_batch(cls, mesh, input_batch, padded_num_reqs, req_indices_dp, sharding=None):
+    """TPUSupportedSamplingMetadata.from_input_batch: ours where a request asks."""
+    metadata = originals["metadata"](cls, mesh, input_batch, padded_num_reqs, req_indices_dp,
                                      sharding)
-        return _extended(metadata, input_batch, padded_num_reqs, req_indices_dp, sharding)
+    seam = state.being_prepared()
+    if seam is None or seam.step is None:  # precompilation's dummy batches
+        return metadata
+    return extended_metadata.for_step(metadata, input_batch, padded_num_reqs, req_indices_dp,
+                                      sharding, seam.step, seam.asks_for_extras)
 
-    return from_input_batch
+
+def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
+    """tpu-inference's sample(): ours for our metadata."""
+    if not isinstance(tpu_sampling_metadata, extended_metadata.metadata_class()):
+        return originals["sample"](rng, mesh, logits, tpu_sampling_metadata,
+                                   allow_distributed_sampling=allow_distributed_sampling)
+    if tpu_sampling_metadata.slot is not None and tpu_sampling_metadata.drafts:
+        # The bonus token: its counts include the drafts, which the rejection sampler
+        # is handed next, with this in place of the bonus token ids.
+        return DrawnInVerification(rng, logits), logits
+    return programs.sample(rng, mesh, logits, tpu_sampling_metadata)
 
 
-def _sampler_extended(original_sample):
-    import jax
-    ours = jax.jit(sample_extended, static_argnames=["mesh"])
-    # The counts are donated: updated in place, a step's new arrays the next's input.
-    counting = jax.jit(sample_extended, static_argnames=["mesh"], donate_argnums=(4, 5))
-
-    def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
-        if isinstance(tpu_sampling_metadata, metadata_class()):
-            if tpu_sampling_metadata.slot is not None:
-                if tpu_sampling_metadata.drafts:
-                    # The bonus token: its counts include the drafts, which the
-                    # rejection sampler is handed next (the same metadata object).
-                    tpu_sampling_metadata._tpu_models_bonus = (rng, logits)
-                    return _DrawnInVerification(), logits
-                counts = token_counts()
-                tokens, processed, counts.counts, counts.recent = counting(
-                    rng, mesh, logits, tpu_sampling_metadata, counts.counts, counts.recent)
-                return tokens, processed
-            return ours(rng, mesh, logits, tpu_sampling_metadata)
-        return original_sample(rng, mesh, logits, tpu_sampling_metadata,
-                               allow_distributed_sampling=allow_distributed_sampling)
-
-    def traced(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
-        # The same choice inside a program that calls it (adapt.spec_fusion): a jit
-        # with compiler options, as tpu-inference's, cannot be nested.
-        if isinstance(tpu_sampling_metadata, metadata_class()):
-            return sample_extended(rng, mesh, logits, tpu_sampling_metadata)
-        return original_sample.__wrapped__(rng, mesh, logits, tpu_sampling_metadata,
+def sample_traced(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
+    """The same choice inside a program that calls it (adapt.spec_fusion): a jit with
+    compiler options, as tpu-inference's, cannot be nested. (The precompiler builds
+    plain metadata only, and lowers upstream's `lower`.)"""
+    if isinstance(tpu_sampling_metadata, extended_metadata.metadata_class()):
+        return programs.sample_extended(rng, mesh, logits, tpu_sampling_metadata)
+    return originals["sample"].__wrapped__(rng, mesh, logits, tpu_sampling_metadata,
                                            allow_distributed_sampling=allow_distributed_sampling)
 
-    # The precompiler builds plain metadata only, and lowers what has a `lower`.
-    sample.lower, sample.__wrapped__ = original_sample.lower, traced
-    return sample
 
-
-def _bonus_verified(original_reject):
-    import jax
-    verifying = jax.jit(verify_extended, static_argnames=["ranks"],
-                        donate_argnames=("counts", "recent"))
-
-    def __call__(self, draft_token_ids, num_draft_tokens, draft_probs, target_logits,
+def verify_bonus(self, draft_token_ids, num_draft_tokens, draft_probs, target_logits,
                  bonus_token_ids, sampling_metadata, key=None):
-        deferred = getattr(sampling_metadata, "_tpu_models_bonus", None)
-        if deferred is None:
-            return original_reject(self, draft_token_ids, num_draft_tokens, draft_probs,
+    """RejectionSampler.__call__: a bonus drawn in verification verified by ours."""
+    if not isinstance(bonus_token_ids, DrawnInVerification):
+        return originals["reject"](self, draft_token_ids, num_draft_tokens, draft_probs,
                                    target_logits, bonus_token_ids, sampling_metadata, key)
-        del sampling_metadata._tpu_models_bonus
-        bonus_rng, bonus_logits = deferred
-        counts = token_counts()
-        out, counts.counts, counts.recent = verifying(
-            draft_token_ids, num_draft_tokens, target_logits, bonus_logits, sampling_metadata,
-            bonus_rng, key, counts.counts, counts.recent, ranks=data_ranks(self.mesh))
-        return out
-
-    return __call__
+    return programs.verify(draft_token_ids, num_draft_tokens, target_logits,
+                           (bonus_token_ids.rng, bonus_token_ids.logits), sampling_metadata,
+                           key, self.mesh)
 
 
 class _AskingForLogprobs:

@@ -1,10 +1,9 @@
-"""The extended sampler's penalties and bad words: what each request has seen, kept
-on the device, and the definitions that read it.
+"""What each request has seen, kept on the device: the counts the penalties and bad
+words read (`TokenCounts`), and `record`, which adds a step's tokens to them.
 
 Under tpu-inference's asynchronous scheduling the host learns a step's tokens a
 step late, so the counts live on the device and the sampling program that draws
-the tokens adds them (adapt.sampler_programs.sample_extended, which the seam's
-adapt.sampling installs).
+the tokens adds them (programs.sample_extended).
 """
 
 import functools
@@ -17,46 +16,6 @@ NO_TOKEN, ANY_TOKEN = -1, -2  # a recent position not yet generated; a prefix po
 def bucket(n: int) -> int:
     """Padded width of per-row id lists: powers of two, so few compiled shapes."""
     return max(8, 1 << (n - 1).bit_length())
-
-
-def ban_bad_words(logits, rows, recent, metadata):
-    """vLLM's bad words (v1/sample/ops/bad_words.py): a word's last id is banned when
-    the ids before it end the output; a one-token word always is."""
-    import jax.numpy as jnp
-    prefix = metadata.bad_prefix
-    ends = jnp.all((prefix == ANY_TOKEN) | (prefix == recent[:, None, :]), axis=-1)
-    ban = jnp.where(ends, -jnp.inf, jnp.inf)  # min with +inf leaves a logit as it is
-    return logits.at[rows, metadata.bad_last].min(ban, mode="drop")
-
-
-def penalize(logits, counts, metadata):
-    """vLLM's penalties (model_executor/layers/utils.py, apply_penalties): repetition
-    over prompt and output (positive logits divided, others multiplied), then the
-    output counts times the frequency penalty and their presence times the presence
-    penalty, subtracted."""
-    import jax.numpy as jnp
-    if counts.shape[1] < logits.shape[1]:  # a vocabulary padded past the tokenizer's
-        counts = jnp.pad(counts, ((0, 0), (0, logits.shape[1] - counts.shape[1])))
-    output = (counts & (IN_PROMPT - 1)).astype(jnp.float32)
-    repetition = jnp.where(counts != 0, metadata.repetition[:, None], 1.0)
-    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
-    return (logits - metadata.frequency[:, None] * output
-            - metadata.presence[:, None] * (output > 0))
-
-
-def with_drafts(seen, own, drafts, before):
-    """Rows of counts and recent ids as they stand after the first `before` of a
-    request's `drafts` (ids past its own drafts: the vocabulary size): what draft
-    position `before` is verified against (vLLM, rejection_sampler.py
-    _combine_outputs_with_spec_tokens)."""
-    import jax.numpy as jnp
-    k = drafts.shape[1]
-    before = jnp.minimum(before, k)[:, None]
-    rows = jnp.arange(seen.shape[0], dtype=jnp.int32)[:, None]
-    counted = jnp.where(jnp.arange(k) < before, drafts, seen.shape[1])
-    seen = seen.at[rows, counted].add(1, mode="drop")
-    ids = jnp.concatenate([own, drafts.astype(own.dtype)], axis=1)
-    return seen, jnp.take_along_axis(ids, before + jnp.arange(RECENT), axis=1)
 
 
 def record(counts, recent, slot, own, tokens, n):
@@ -75,7 +34,7 @@ class TokenCounts:
     output tokens, IN_PROMPT added for a prompt token) and its last RECENT output ids.
     4 * (vocab + RECENT) bytes a slot and max_num_seqs slots: 1.0 MiB a slot at
     Gemma 3's 262,144 ids (256 MiB at 256 sequences), 0.6 MiB at Qwen3's 151,936;
-    allocated at start-up, before the KV cache is sized (adapt.kv_cache), so that
+    allocated at start-up, before the KV cache is sized (`allocate`), so that
     the cache leaves them their room.
 
     A request keeps its slot until it finishes, through preemption and chunked

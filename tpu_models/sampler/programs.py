@@ -1,13 +1,53 @@
-"""The extended sampler's device programs (adapt.sampling installs them):
-`sample_extended` for a step's rows, `verify_extended` for drafts. vLLM's
-definitions in vLLM's order, tpu-inference's own masks and rejection sampler
-around them."""
+"""The extended sampler's device programs: `sample_extended` for a step's rows,
+`verify_extended` for drafts, and the definitions they apply (`penalize`,
+`ban_bad_words`). vLLM's definitions in vLLM's order, tpu-inference's own masks
+and rejection sampler around them. `sample` and `verify` run them compiled, with
+the engine's TokenCounts where a batch reads them.
+"""
 
 import dataclasses
+import functools
 
-from tpu_models.penalties import NO_TOKEN, ban_bad_words, penalize, record, with_drafts
+from tpu_models.sampler.counts import ANY_TOKEN, IN_PROMPT, NO_TOKEN, RECENT, record, token_counts
 
 MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
+
+
+@functools.cache
+def _compiled(counting: bool):
+    import jax
+    # The counts are donated: updated in place, a step's new arrays the next's input.
+    return jax.jit(sample_extended, static_argnames=["mesh"],
+                   donate_argnums=(4, 5) if counting else ())
+
+
+def sample(rng, mesh, logits, metadata):
+    """(tokens, processed logits) for a batch with our metadata; a batch whose
+    penalties or bad words read TokenCounts adds its tokens to them."""
+    if metadata.slot is None:
+        return _compiled(False)(rng, mesh, logits, metadata)
+    counts = token_counts()
+    tokens, processed, counts.counts, counts.recent = _compiled(True)(
+        rng, mesh, logits, metadata, counts.counts, counts.recent)
+    return tokens, processed
+
+
+@functools.cache
+def _verifying():
+    import jax
+    return jax.jit(verify_extended, static_argnames=["ranks"],
+                   donate_argnames=("counts", "recent"))
+
+
+def verify(draft_ids, num_draft, target_logits, bonus, metadata, key, mesh):
+    """The rejection sampler's output for a penalized step beside drafts, its bonus
+    tokens (`bonus`: their rng and logits) drawn here; TokenCounts updated."""
+    bonus_rng, bonus_logits = bonus
+    counts = token_counts()
+    out, counts.counts, counts.recent = _verifying()(
+        draft_ids, num_draft, target_logits, bonus_logits, metadata, bonus_rng, key,
+        counts.counts, counts.recent, ranks=data_ranks(mesh))
+    return out
 
 
 def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
@@ -62,6 +102,46 @@ def adjusted(logits, metadata, seen=None, own=None):
     if seen is not None:
         logits = penalize(logits, seen, metadata)
     return logits
+
+
+def ban_bad_words(logits, rows, recent, metadata):
+    """vLLM's bad words (v1/sample/ops/bad_words.py): a word's last id is banned when
+    the ids before it end the output; a one-token word always is."""
+    import jax.numpy as jnp
+    prefix = metadata.bad_prefix
+    ends = jnp.all((prefix == ANY_TOKEN) | (prefix == recent[:, None, :]), axis=-1)
+    ban = jnp.where(ends, -jnp.inf, jnp.inf)  # min with +inf leaves a logit as it is
+    return logits.at[rows, metadata.bad_last].min(ban, mode="drop")
+
+
+def penalize(logits, counts, metadata):
+    """vLLM's penalties (model_executor/layers/utils.py, apply_penalties): repetition
+    over prompt and output (positive logits divided, others multiplied), then the
+    output counts times the frequency penalty and their presence times the presence
+    penalty, subtracted."""
+    import jax.numpy as jnp
+    if counts.shape[1] < logits.shape[1]:  # a vocabulary padded past the tokenizer's
+        counts = jnp.pad(counts, ((0, 0), (0, logits.shape[1] - counts.shape[1])))
+    output = (counts & (IN_PROMPT - 1)).astype(jnp.float32)
+    repetition = jnp.where(counts != 0, metadata.repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    return (logits - metadata.frequency[:, None] * output
+            - metadata.presence[:, None] * (output > 0))
+
+
+def with_drafts(seen, own, drafts, before):
+    """Rows of counts and recent ids as they stand after the first `before` of a
+    request's `drafts` (ids past its own drafts: the vocabulary size): what draft
+    position `before` is verified against (vLLM, rejection_sampler.py
+    _combine_outputs_with_spec_tokens)."""
+    import jax.numpy as jnp
+    k = drafts.shape[1]
+    before = jnp.minimum(before, k)[:, None]
+    rows = jnp.arange(seen.shape[0], dtype=jnp.int32)[:, None]
+    counted = jnp.where(jnp.arange(k) < before, drafts, seen.shape[1])
+    seen = seen.at[rows, counted].add(1, mode="drop")
+    ids = jnp.concatenate([own, drafts.astype(own.dtype)], axis=1)
+    return seen, jnp.take_along_axis(ids, before + jnp.arange(RECENT), axis=1)
 
 
 def _sample_rows(rng, logits, metadata):

@@ -1,11 +1,62 @@
-"""The extended sampler's metadata (adapt.sampling installs it): `ExtendedMetadata`,
-and its arrays built on the host from a step's rows, a row per request laid out as
-tpu-inference lays them (a block per data-parallel rank)."""
+"""The extended sampler's metadata: what a request asks for beyond tpu-inference's
+sampler (`ADDED`), `ExtendedMetadata`, and its arrays built on the host from a
+step's rows (`for_step`), a row per request laid out as tpu-inference lays them (a
+block per data-parallel rank)."""
 
 import dataclasses
 import functools
 
-from tpu_models.penalties import ANY_TOKEN, RECENT, bucket, token_counts
+from tpu_models.sampler.counts import ANY_TOKEN, RECENT, bucket, token_counts
+
+# What we add to the sampler: SamplingParams field -> whether a request asks for it.
+# (A seed at temperature 0 asks for nothing: greedy decoding is reproducible.)
+ADDED = {
+    "min_p": lambda p: p.min_p > 0,
+    "seed": lambda p: p.sampling_type.name == "RANDOM_SEED",
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "min_tokens": lambda p: p.min_tokens > 0,
+    "presence_penalty": lambda p: p.presence_penalty != 0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1,
+    "bad_words": lambda p: bool(p.bad_words),
+}
+# Those that read what the request has seen (TokenCounts).
+COUNTED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
+
+
+def asks_for_extras(params) -> bool:
+    return params is not None and any(is_set(params) for is_set in ADDED.values())
+
+
+def _counted(params) -> bool:
+    return any(ADDED[name](params) for name in COUNTED)
+
+
+def for_step(metadata, input_batch, n, req_indices_dp, sharding, step, asks: dict[str, bool]):
+    """tpu-inference's `metadata`, or ours when a request of the step asks for
+    something we add. `step`: its tokens scheduled, requests and drafts
+    (adapt.state.Step); `asks`: request id -> asks_for_extras, remembered here for
+    the live requests."""
+    requests, ids = step.requests, input_batch.req_ids
+    wanting = False
+    for indices in req_indices_dp.values():
+        for index in indices:
+            if (req_id := ids[index]) not in asks:
+                asks[req_id] = asks_for_extras(requests[req_id].sampling_params)
+            wanting = wanting or asks[req_id]
+    if len(asks) > 2 * len(requests):  # finished requests forgotten now and then
+        for req_id in [r for r in asks if r not in requests]:
+            del asks[req_id]
+    if not wanting:
+        return metadata
+    per_rank = n // len(req_indices_dp)
+    rows = [(row, index, requests[ids[index]], ids[index])
+            for rank, indices in req_indices_dp.items()
+            for row, index in enumerate(indices, start=rank * per_rank)]
+    counted = [(row, index, request, req_id) for row, index, request, req_id in rows
+               if request.sampling_params is not None and _counted(request.sampling_params)]
+    return extended(metadata, input_batch, n, sharding, rows, counted, step)
 
 
 @functools.cache
@@ -49,12 +100,12 @@ def metadata_class():
 def extended(metadata, input_batch, n, sharding, rows, counted, step):
     """ExtendedMetadata of `n` rows (padded) for a step's `rows`, each (row, index in
     the batch, request, request id); `counted`: those of them whose penalties or bad
-    words read TokenCounts. `step`: (tokens scheduled, requests, drafts)."""
+    words read TokenCounts."""
     import numpy as np
     from tpu_inference.layers.jax.sample import sampling
     from tpu_inference.utils import device_array
 
-    num_scheduled, requests, drafts = step
+    num_scheduled, requests, drafts = step.num_scheduled, step.requests, step.drafts
     vocab = input_batch.vocab_size
     if counted:
         penalties = _penalty_arrays(metadata, input_batch, n, rows, counted, num_scheduled,
