@@ -112,11 +112,12 @@ def _serve(argv, env, log, cwd, plain_vllm) -> None:
     _become(env, log, cwd)
     if plain_vllm:
         sys.argv = ["vllm", "serve", *argv]
+        from vllm.entrypoints.cli.main import main
     else:
         from tpu_models.server import serve
         command, _ = serve.prepare(argv)
         sys.argv = ["vllm", *command[3:]]  # [python, -m, vllm_main, serve, ...]
-    from vllm.entrypoints.cli.main import main
+        from tpu_models.server.vllm_main import main
     try:
         main()
     finally:

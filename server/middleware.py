@@ -19,7 +19,7 @@ URL_ENV = "TPU_MODELS_URL"
 class TpuModels:
 
     def __init__(self, app):
-        self.app = ReadyLine(RequireUtf8Body(app))
+        self.app = ReadyLine(LostHost(RequireUtf8Body(app)))
 
     async def __call__(self, scope, receive, send):
         await self.app(scope, receive, send)
@@ -63,8 +63,18 @@ def _log_ready(state) -> None:
     init_logger("tpu_models.ready").info(
         "tpu-models: ready: %s (%s), %s, %s%s", model.served_model_name,
         ", ".join([str(model.dtype).removeprefix("torch."), platform,
-                   f"attention {host.attention_mode()}", *_quantization(config)]), capacity,
+                   f"attention {host.attention_mode()}", *_quantization(config),
+                   *_hosts()]), capacity,
         os.environ.get(URL_ENV, "see 'Starting vLLM server on' above"), background)
+
+
+def _hosts() -> list[str]:
+    """Where the engine runs across hosts (tpu-inference's Ray executor): how many."""
+    from tpu_models import multihost
+    if not multihost.serving_across_hosts():
+        return []
+    hosts = os.environ.get(multihost.HOSTS_ENV)
+    return [f"across {hosts} hosts (Ray)" if hosts else "across hosts (Ray)"]
 
 
 def _quantization(config) -> list[str]:
@@ -77,6 +87,31 @@ def _quantization(config) -> list[str]:
     if config.cache_config.cache_dtype not in (None, "auto"):
         described.append(f"KV cache {config.cache_config.cache_dtype}")
     return described
+
+
+class LostHost:
+    """Across hosts, a server error after a host was lost says which host: vLLM's own
+    500 reads "The server had an error while processing your request"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        from tpu_models import multihost
+        if scope["type"] != "http" or not multihost.serving_across_hosts():
+            return await self.app(scope, receive, send)
+        held = []
+
+        async def naming(message):
+            if message["type"] == "http.response.start" and message["status"] >= 500:
+                if lost := multihost.lost_message():
+                    held.append(lost)
+                    return await _error(send, message["status"], "ServiceUnavailableError",
+                                        f"tpu-models: {lost}; the server is stopping")
+            if not held:
+                await send(message)
+
+        await self.app(scope, receive, naming)
 
 
 class RequireUtf8Body:
@@ -115,9 +150,13 @@ def _replay(messages, receive):
 
 
 async def _bad_request(send, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                 "param": None, "code": 400}}).encode()
-    await send({"type": "http.response.start", "status": 400,
+    await _error(send, 400, "BadRequestError", message)
+
+
+async def _error(send, status: int, kind: str, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind,
+                                 "param": None, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -77,6 +77,11 @@ def parser() -> argparse.ArgumentParser:
                    help="speculative decoding (greedy output unchanged): ngram, prompt lookup "
                         "for any model; eagle3, the demo model's trained EAGLE-3 draft (for "
                         "another model pass vLLM's --speculative-config with its draft)")
+    p.add_argument("--local-hosts", type=int, metavar="N",
+                   help="rehearse serving across N hosts on this machine (off-TPU): N local "
+                        "Ray nodes, each a JAX process with --tensor-parallel-size / N CPU "
+                        "devices, served through tpu-inference's Ray executor as a multi-host "
+                        "TPU slice is (docs/multi-host.md)")
     p.add_argument("--dry-run", action="store_true",
                    help="print, as shell lines that run it, the environment it would set "
                         "(export KEY=value) and the vllm command, instead of running it")
@@ -111,6 +116,8 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
         # up to this count (8, 16, ... 256 by default, the largest the slowest);
         # a CPU host is saturated long before 64 sequences a step.
         vllm_args += ["--max-num-seqs", str(CPU_MAX_SEQS)]
+    if args.local_hosts:
+        local_hosts(args.local_hosts, platform, vllm_args, env)
     emulated_storage(env)  # adapters and drafts may be in object storage too
     model, vllm_args = vllm_arguments(model, args, vllm_args)
     host.set_xla_cpu_threads(env, checkpoint_bytes(model))
@@ -120,6 +127,25 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
     env[middleware.URL_ENV] = f"http://{_value(vllm_args, '--host')}:{_value(vllm_args, '--port') or 8000}"
     command = [sys.executable, "-m", "tpu_models.server.vllm_main", "serve", model, *vllm_args]
     return command, env
+
+
+def local_hosts(hosts: int, platform: str | None, vllm_args: list[str], env: dict) -> None:
+    """--local-hosts: tpu-inference's Ray executor (TPU_MULTIHOST_BACKEND=ray) over local
+    hosts that tpu_models.server.vllm_main starts, the tensor-parallel devices split
+    evenly among them."""
+    from tpu_models import multihost
+    if platform is None:
+        raise ValueError("--local-hosts rehearses serving across hosts off-TPU; on a TPU "
+                         "slice start Ray on every host instead (docs/multi-host.md)")
+    tp = int(_value(vllm_args, "--tensor-parallel-size") or _value(vllm_args, "-tp") or 1)
+    devices = multihost.devices_per_host(tp, hosts)
+    env[multihost.HOST_DEVICES_ENV] = str(devices)
+    # Every host's own devices (its node sets them too): XLA:CPU's pool stays whole, as
+    # for fake devices, whose collectives wait for each other.
+    env["XLA_FLAGS"] = multihost.with_devices(env.get("XLA_FLAGS", ""), devices)
+    env[multihost.LOCAL_HOSTS_ENV] = str(hosts)
+    env[multihost.BACKEND_ENV] = multihost.BACKEND
+    env.setdefault("RAY_DEDUP_LOGS", "0")  # each host's own lines, not "repeated 2x"
 
 
 def vllm_arguments(model: str | None, args: argparse.Namespace,

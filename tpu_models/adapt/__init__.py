@@ -16,7 +16,7 @@ from tpu_models.adapt import guard
 
 # Upstream subsystems, in the order their patches are installed.
 MODULES = ("topology", "topology_programs", "host_portability", "rpa_interpret", "rpa_kernel",
-           "engine", "object_storage", "loading", "compilation", "kv_cache", "lora",
+           "engine", "multihost", "object_storage", "loading", "compilation", "kv_cache", "lora",
            "speculative", "structured_output", "sampling", "logprobs", "spec_fusion",
            "request_checks")
 # Installed by the module that needs them, not in every vLLM process (the ledger lists them).

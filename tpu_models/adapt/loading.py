@@ -62,7 +62,8 @@ def _host_array(tensor):
 def one_pass_conversion() -> None:
     global _installed
     import jax
-    from tpu_inference.layers.common.utils import cpu_mesh_context
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.layers.common import utils as common
     from tpu_inference.models.jax.utils import weight_utils
     from tpu_inference.utils import to_jax_dtype
 
@@ -83,8 +84,9 @@ def one_pass_conversion() -> None:
             weight = torch_weight if served is None else torch_weight.to(served)
             return original(jax_param, weight, _shard_id, reshape_dims=reshape_dims,
                             permute_dims=permute_dims, param_name=param_name)
-        with cpu_mesh_context():
-            x = jax.device_put(host, jax.devices("cpu")[0])
+        with common.cpu_mesh_context():
+            # On the CPU mesh by name: across hosts, sharding it reads its pieces there.
+            x = jax.device_put(host, NamedSharding(common.cpu_mesh(), PartitionSpec()))
             value = _arrange()(x, shape=shape, perm=perm, dtype=to_jax_dtype(served))
             value.block_until_ready()  # a streamed tensor's buffer is refilled next
         del x

@@ -1,0 +1,111 @@
+"""Serving across hosts through tpu-inference's Ray executor, rehearsed on one machine:
+`tpu-models serve --tensor-parallel-size 4 --local-hosts 2` starts two Ray nodes, each
+a JAX process with two CPU devices, joined into one mesh. Greedy tokens equal
+transformers' for both architectures (chunked prefill, a shared prefix, Gemma 3's
+sliding window shorter than the prompts); a host killed mid-generation fails the
+requests in flight, naming it, and stops the server."""
+
+import re
+import subprocess
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import requests
+
+from tpu_models.harness.serve_process import Server, launched
+from tests.test_serve_e2e import complete_all
+from tests.tiny import Reference, make_gemma3, make_qwen3
+
+pytestmark = pytest.mark.e2e
+
+ACROSS_HOSTS = ("--tensor-parallel-size", "4", "--local-hosts", "2", "--dtype", "float32",
+                "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20),
+                "--served-model-name", "tiny",
+                # prompts up to 5 windows of Gemma 3's local layers, prefilled in chunks
+                "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    # Four query heads, one KV head: each host's two devices hold two query heads, and
+    # the KV head is repeated on all four.
+    return {"qwen3": make_qwen3(root / "qwen3", num_heads=4, num_kv_heads=1),
+            "gemma3": make_gemma3(root / "gemma3", num_heads=4, num_kv_heads=1,
+                                  sliding_window=16)}
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("multihost-logs")
+    servers = {name: Server(directory, *ACROSS_HOSTS, log=logs / f"{name}.log")
+               for name, directory in models.items()}
+    with launched(servers):
+        for server in servers.values():
+            server.start()
+        yield servers
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    shared = rng.integers(3, 384, 40).tolist()  # a template three of them share
+    return ([rng.integers(3, 384, n).tolist() for n in (2, 11, 75)]
+            + [shared + rng.integers(3, 384, n).tolist() for n in (3, 9, 20)])
+
+
+def test_both_architectures_across_two_local_hosts(servers, models):
+    for name, server in servers.items():
+        log = server.output()
+        assert "Force using RayDistributedExecutorV2" in log
+        assert "across 2 hosts (Ray)" in log  # the ready line
+        # one mesh over both hosts' devices, one worker process a host
+        assert "Mesh('data': 1, 'model': 4" in log
+        ranks = set(re.findall(r"Init worker \| rank=(\d) \|", log))
+        assert ranks == {"0", "1"}, ranks
+        if name == "gemma3":
+            assert "num_kv_cache_groups=6" in log  # the hybrid KV cache, across hosts
+        reference = Reference(models[name])
+        got = complete_all(server, prompts() * 2, max_tokens=6)  # 12 at once
+        for prompt, ids in zip(prompts() * 2, got):
+            assert ids == reference.greedy(prompt, 6), f"{name}: prompt of {len(prompt)}"
+
+
+def worker_pid(server, rank: int) -> int:
+    """The process of host `rank`'s worker, from the server's log."""
+    found = re.search(rf"RayWorkerProc pid=(\d+)\).*Init worker \| rank={rank} \|",
+                      server.output())
+    assert found, f"no worker of rank {rank} in the log"
+    return int(found[1])
+
+
+def test_a_lost_host_stops_the_server(servers):
+    server = servers["qwen3"]
+    reply = {}
+
+    def generate():
+        reply["response"] = requests.post(
+            f"{server.url}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0})
+
+    helpers = psutil.Process(server.process.pid).children(recursive=True)
+    in_flight = threading.Thread(target=generate)
+    in_flight.start()
+    time.sleep(1)  # generating
+    killed = time.monotonic()
+    subprocess.run(["kill", "-9", str(worker_pid(server, 1))], check=True)
+    in_flight.join(60)
+    assert not in_flight.is_alive(), "the request in flight hung"
+    response = reply["response"]
+    assert response.status_code >= 500
+    assert "lost host 1" in response.json()["error"]["message"], response.text
+    assert not server.healthy()
+    assert server.process.wait(60) != 0
+    print(f"request failed, server exited {time.monotonic() - killed:.1f} s after the kill")
+    assert "tpu-models serve: lost host 1" in server.output().strip().splitlines()[-1]
+    # Its local hosts and their workers went with it: nothing holds them for a restart.
+    gone, alive = psutil.wait_procs(helpers, timeout=30)
+    assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
