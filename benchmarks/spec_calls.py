@@ -69,7 +69,7 @@ def engine_run(name: str, requests: int, trace_dir: str) -> dict:
     with jax.profiler.trace(trace_dir):
         texts = [o.outputs[0].text for o in llm.chat(chats, params, use_tqdm=False)]
     core.step_fn = step_fn
-    from tpu_models.speculation import STEPS
+    from tpu_models.speculative.fusion import STEPS
     return {"texts": texts, "fusion": dict(STEPS), **count(trace_dir),
             "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "device": str(jax.devices()[0].platform)}

@@ -190,7 +190,7 @@ def check_models(models: Path, env: dict, logs: Path, timeout: float, in_paralle
 
 def compile_models(models: Path, topology: str, logs: Path, say) -> tuple[int, str]:
     """`tpu-models compile` of each shipped checkpoint for `topology`: (status, why)."""
-    from tpu_models.topologies import UnknownTopology, topology as slice_of
+    from tpu_models.topology.slices import UnknownTopology, topology as slice_of
     try:
         slice_ = slice_of(topology)
     except UnknownTopology as e:

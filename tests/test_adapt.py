@@ -193,7 +193,7 @@ def test_off_tpu_a_host_portability_patch_that_cannot_apply_stops_the_engine(mon
 
 def test_argmax_off_tpu_answers_as_numpy():
     """XLA:CPU's argmax is replaced by a max and a least position
-    (adapt.host_portability.argmax_as_two_reductions): the same index numpy
+    (off_tpu.first_max, installed by adapt.host_portability): the same index numpy
     gives, ties to the first, a NaN wins, over every axis and dtype."""
     load_plugins()
     import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Portable ragged paged attention against a dense float64 reference, and
 against tpu-inference's RPA v3: its Pallas kernel in JAX's TPU interpreter
-(tpu_models/adapt/rpa_interpret.py) and its own reference of that kernel.
+(tpu_models/kernels/rpa_interpret.py) and its own reference of that kernel.
 
 The cache is filled by hand from the layout tpu-inference documents
 (kv_cache.get_kv_cache_shape: k0, v0, k1, v1... packed per 32 bits, head_dim
@@ -253,8 +253,8 @@ def test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches():
     Pallas kernel (interpreted) and of its reference, and so do TPU_MODELS_ATTENTION=
     rpa-reference's (the reference a request at a time, jitted); all write the same
     cache."""
-    from tpu_models.adapt import rpa_interpret
-    rpa_interpret.enable()
+    from tpu_models.adapt import rpa_kernel
+    rpa_kernel.interpreter_reads_transformed_refs()
     rng = np.random.default_rng(50)
     configs = [  # (query heads, kv heads, head_dim, window, soft cap, fp8 cache)
         (4, 2, 64, 16, 5.0, False), (8, 1, 128, 7, None, True), (4, 4, 256, None, 30.0, False),
@@ -348,7 +348,7 @@ def _behind_the_window(inputs, requests, window):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "k_scale", "v_scale"))
 def _by_reference(*args, **kwargs):
-    from tpu_models.adapt.rpa_kernel import by_reference
+    from tpu_models.kernels.rpa_reference import by_reference
     return by_reference(ref_ragged_paged_attention)(*args, **kwargs)
 
 
@@ -362,7 +362,7 @@ def _portable(**kwargs):
 def _pallas_kernel():
     from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
 
-    from tpu_models.adapt.rpa_interpret import interpreted
+    from tpu_models.kernels.rpa_interpret import interpreted
     return interpreted(kernel, "ragged_paged_attention")
 
 

@@ -64,7 +64,7 @@ def kv_bytes_per_token(cfg: dict, layers: int, tp: int, dtype_bytes: int) -> flo
 def test_every_topology_is_the_slice_libtpu_builds():
     script = ("import json\n"
               "from jax.experimental import topologies\n"
-              "from tpu_models.topologies import TOPOLOGIES\n"
+              "from tpu_models.topology.slices import TOPOLOGIES\n"
               "out = {}\n"
               "for t in TOPOLOGIES.values():\n"
               "    d = topologies.get_topology_desc(platform='tpu', topology_name=t.libtpu_name,\n"
@@ -76,7 +76,7 @@ def test_every_topology_is_the_slice_libtpu_builds():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    from tpu_models.topologies import TOPOLOGIES, topology
+    from tpu_models.topology.slices import TOPOLOGIES, topology
     found = json.loads(done.stdout.strip().splitlines()[-1])
     kinds = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5"}
     for name, t in TOPOLOGIES.items():

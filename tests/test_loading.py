@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from jax.sharding import Mesh
 
-from tpu_models import logs
+from tpu_models import logs, off_tpu
 from tpu_models.adapt import loading
 
 CASES = [  # name, checkpoint shape, param shape, reshape_dims, permute_dims
@@ -29,13 +29,13 @@ CASES = [  # name, checkpoint shape, param shape, reshape_dims, permute_dims
 @pytest.fixture
 def patched(monkeypatch):
     from tpu_inference.models.jax.utils import weight_utils
-    arrange, passes = loading._arrange(), []
+    arrange, passes = off_tpu.arranged, []
 
-    def counted(*args, **kwargs):
-        passes.append(kwargs["shape"])
-        return arrange(*args, **kwargs)
+    def counted(x, shape, perm, dtype):
+        passes.append(shape)
+        return arrange(x, shape, perm, dtype)
 
-    monkeypatch.setattr(loading, "_arrange", lambda: counted)
+    monkeypatch.setattr(off_tpu, "arranged", counted)
     original = weight_utils.load_nnx_param_from_reshaped_torch
     monkeypatch.setattr(weight_utils, "load_nnx_param_from_reshaped_torch", original)
     monkeypatch.setattr(loading, "_installed", False)

@@ -1,4 +1,4 @@
-"""EAGLE-3 steps verified and drafted in one compiled program (adapt.spec_fusion):
+"""EAGLE-3 steps verified and drafted in one compiled program (speculative.fusion):
 the text of plain decoding, from the fused program, not tpu-inference's calls."""
 
 import json
@@ -18,7 +18,7 @@ REQUESTS = 4
 # An in-process engine (its runner in this script's process, so its counters too).
 SCRIPT = """
 import json, sys, vllm
-from tpu_models.speculation import STEPS
+from tpu_models.speculative.fusion import STEPS
 from tpu_models.server.serve import DEFAULT_MODEL, SPECULATIVE
 llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
                kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=256,
@@ -58,7 +58,7 @@ def test_the_draft_passes_cover_every_request_with_few_programs():
     has its row, and each token bucket (the engine pads tokens to powers of two)
     needs few programs: a decode step (1 + 3 drafts a request) one, steps with a
     prompt chunk mostly one more, whatever their number of requests."""
-    from tpu_models.speculation import live_rows
+    from tpu_models.speculative.fusion import live_rows
 
     for tokens in (1 << b for b in range(2, 9)):
         for requests in range(1, tokens + 1):
@@ -78,9 +78,9 @@ FIRST_PASS = """
 import json, sys
 import jax, jax.numpy as jnp
 import vllm
-from tpu_models.adapt import speculative
 from tpu_models.server.serve import DEFAULT_MODEL, SPECULATIVE
-ours, gaps = speculative._first_pass_on_rows, []
+from tpu_models.speculative import draft
+ours, gaps = draft.first_pass_on_rows, []
 
 def both(proposer, state_leaves, kv_caches, input_ids, hidden, md, rows):
     caches, out, residual = ours(proposer, state_leaves, kv_caches, input_ids, hidden, md, rows)
@@ -96,7 +96,7 @@ def both(proposer, state_leaves, kv_caches, input_ids, hidden, md, rows):
                        jnp.abs(caches[-1] - full_caches[-1]).max(), jnp.abs(full_caches[-1]).max())
     return caches, out, residual
 
-speculative._first_pass_on_rows = both
+draft.first_pass_on_rows = both
 llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
                kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=256,
                speculative_config=SPECULATIVE["eagle3"])
@@ -110,7 +110,7 @@ print("RESULT " + json.dumps(gaps))
 
 
 def test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows(tmp_path):
-    """adapt.speculative._first_pass_on_rows writes every token's keys and values into
+    """speculative.draft.first_pass_on_rows writes every token's keys and values into
     the draft's cache but finishes the layer on each request's last row only. Against
     tpu-inference's pass over every row, run beside it on the same inputs at every
     step (prompts one at a time and six together, a chunked prefill; decode steps

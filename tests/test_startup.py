@@ -5,7 +5,7 @@ import types
 import numpy as np
 import pytest
 
-from tpu_models.adapt import host_portability
+from tpu_models import off_tpu
 from tpu_models.harness.serve_process import Server
 from tests.tiny import Reference, make_qwen3
 
@@ -20,7 +20,7 @@ def test_the_default_kv_budget_does_not_follow_free_memory(monkeypatch):
     def budget(total: float, available: float) -> int:
         monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(
             total=int(total * 2**30), available=int(available * 2**30)))
-        return host_portability.kv_cache_budget(config)
+        return off_tpu.kv_cache_budget(config)
 
     # 20% of the host's memory in whole GiB, whatever else runs beside it ...
     assert budget(23.5, 21.0) == budget(23.5, 14.2) == budget(23.5, 9.5) == 4 * 2**30
@@ -28,7 +28,7 @@ def test_the_default_kv_budget_does_not_follow_free_memory(monkeypatch):
     assert budget(23.5, 5.3) == 2 * 2**30 and budget(23.5, 1.1) == 2 * 2**28
     assert budget(4.0, 3.9) == 3 * 2**28
     config.kv_cache_memory_bytes = 123_456_789
-    assert host_portability.kv_cache_budget(config) == 123_456_789
+    assert off_tpu.kv_cache_budget(config) == 123_456_789
 
 
 @pytest.mark.e2e

@@ -88,7 +88,7 @@ def fake_devices(env) -> int:
 
 
 # `tpu-models compile`: this process builds the engine for a TPU topology (a
-# tpu_models.topologies name) on whatever host it runs on, and compiles every
+# tpu_models.topology.slices name) on whatever host it runs on, and compiles every
 # program for it with libtpu; JAX itself stays on the host's CPU, nothing runs.
 COMPILE_ENV = "TPU_MODELS_COMPILE_FOR"
 

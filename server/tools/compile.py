@@ -6,7 +6,7 @@ worker, its runner, the KV cache sized from HBM, precompilation), built for
 the named slice's devices with nothing behind them (the seam's compile-only
 patches): no weight is read or allocated, and each program precompilation
 names is compiled by libtpu, the TPU's own compiler, and never run. The report
-(from tpu_models.slice_accounting: what each chip holds, what compiled) says
+(from tpu_models.topology.accounting: what each chip holds, what compiled) says
 what fits in a chip's HBM, how many tokens the KV cache holds, and each
 program's cost as the compiler estimates it.
 
@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 
 from tpu_models import host, logs, memory
-from tpu_models.topologies import TOPOLOGIES, UnknownTopology, topology
+from tpu_models.topology.slices import TOPOLOGIES, UnknownTopology, topology
 
 
 class CannotRun(Exception):

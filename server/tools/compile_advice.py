@@ -15,9 +15,9 @@ import math
 import re
 
 from tpu_models import memory
-from tpu_models.slice_accounting import (
+from tpu_models.topology.accounting import (
     DRAFT_WEIGHTS, HOST_INPUTS, KV_CACHE, WEIGHTS, WORKER, bytes_on)
-from tpu_models.topologies import TOPOLOGIES
+from tpu_models.topology.slices import TOPOLOGIES
 
 # libtpu's refusal of a program: "... HLO temporaries (19.75G) exceeds available HBM (15.75G)"
 COMPILER_HBM = re.compile(r"\((?P<required>[\d.]+)G\) exceeds available HBM \((?P<available>[\d.]+)G\)")

@@ -14,7 +14,7 @@ import sys
 
 from tpu_models import memory
 from tpu_models.sampler import counts
-from tpu_models.slice_accounting import (
+from tpu_models.topology.accounting import (
     DRAFT_WEIGHTS, HOST_INPUTS, KEEP_HLO_TEXT, KV_CACHE, PROGRAMS, WEIGHTS, Program, bytes_by_dtype,
     bytes_on, settled)
 

@@ -15,10 +15,9 @@ import os
 from tpu_models.adapt import guard
 
 # Upstream subsystems, in the order their patches are installed.
-MODULES = ("topology", "topology_programs", "host_portability", "rpa_interpret", "rpa_kernel",
-           "engine", "multihost", "object_storage", "loading", "compilation", "kv_cache", "lora",
-           "speculative", "structured_output", "sampling", "logprobs", "spec_fusion",
-           "request_checks")
+MODULES = ("topology", "host_portability", "rpa_kernel", "engine", "multihost", "object_storage",
+           "loading", "compilation", "kv_cache", "lora", "speculative", "structured_output",
+           "sampling", "logprobs", "spec_fusion", "request_checks")
 # Installed by the module that needs them, not in every vLLM process (the ledger lists them).
 ON_IMPORT = {"tunix_rollout": "tpu_models.tunix"}
 _applied = False

@@ -10,15 +10,10 @@ background once the server is ready; until one is compiled, a step pads to the
 next compiled bucket. Figures: benchmarks/README.md (bench startup).
 """
 
-import atexit
-import contextlib
-import logging
-import os
-import threading
-import time
-
+from tpu_models.adapt import state
 from tpu_models.adapt.guard import OFF_TPU, STARTUP, Patch, Target
-from tpu_models.precompilation import background_buckets, ready_buckets
+from tpu_models.precompilation import (AheadOfTimeStep, background_buckets, compile_in_background,
+                                       ready_buckets)
 
 LOADER = "tpu_inference.models.common.model_loader"
 MANAGER = "tpu_inference.runner.compilation_manager.CompilationManager"
@@ -27,36 +22,6 @@ MANAGER = "tpu_inference.runner.compilation_manager.CompilationManager"
 def _logger():
     from tpu_inference.logger import init_logger
     return init_logger("tpu_models.adapt")
-
-
-class AheadOfTimeStep:
-    """tpu-inference's flax model step (a function choosing a jit per KV-cache
-    sharding), with the `lower` its precompiler looks for."""
-
-    def __init__(self, step, resolve, takes_spec_step: bool):
-        self._step, self._resolve, self._takes_spec_step = step, resolve, takes_spec_step
-
-    @classmethod
-    def wrap(cls, step):
-        """None where the step is not tpu-inference 0.32's (then it stays as it is)."""
-        import inspect
-        try:
-            names = inspect.getclosurevars(step).nonlocals
-        except TypeError:
-            return None
-        if "_resolve_step_fn" not in names or "model_supports_spec_step" not in names:
-            return None
-        return cls(step, names["_resolve_step_fn"], names["model_supports_spec_step"])
-
-    def __call__(self, *args, **kwargs):
-        return self._step(*args, **kwargs)
-
-    def lower(self, *args, **kwargs):
-        # What the step does before it calls its jit (model_loader.wrapped_model_fn).
-        if not self._takes_spec_step:
-            kwargs.pop("spec_step_idx", None)
-        kwargs.pop("shared_attention_metadata", None)
-        return self._resolve(args[1], True).lower(*args, **kwargs)
 
 
 def step_lowered_ahead_of_time() -> None:
@@ -91,11 +56,11 @@ def compiled_functions_not_run() -> None:
         tasks, futures = len(self._warmup_tasks), len(self._compile_futures)
         run(self, name, fn, *args, **kwargs)
         if len(self._warmup_tasks) > tasks and len(self._compile_futures) > futures:
-            self._compiled_ahead = getattr(self, "_compiled_ahead", set())
-            self._compiled_ahead.add(id(self._warmup_tasks[-1]))  # compiling on a worker
+            # compiling on a worker
+            state.of(self.runner).compiled_ahead.add(id(self._warmup_tasks[-1]))
 
     def _flush_compilations(self):
-        ahead = getattr(self, "_compiled_ahead", set())
+        ahead = state.of(self.runner).compiled_ahead
         tasks = self._warmup_tasks
         self._warmup_tasks = [task for task in tasks if id(task) not in ahead]
         ahead.clear()
@@ -110,75 +75,6 @@ def _deferring(runner) -> bool:
             and background_buckets(runner.vllm_config))
 
 
-class _RunnerView:
-    """The runner as the background compiler sees it: the buckets left, and the KV
-    caches as shapes (the engine donates the real ones at every step)."""
-
-    def __init__(self, runner, paddings, kv_caches):
-        self._runner, self.num_tokens_paddings, self.kv_caches = runner, paddings, kv_caches
-
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-
-def _compile_in_background(manager, runner, rest: list[int]) -> threading.Thread:
-    import jax
-    from tpu_inference.runner.compilation_manager import CompilationManager, _describe_signature
-
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                          runner.kv_caches)
-    log = _logger()
-    # An engine in the caller's process (vllm.LLM in-process, Tunix's rollouts) shares
-    # its output with the caller's script: the background's lines go to debug there.
-    level = logging.DEBUG if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else logging.INFO
-
-    def compile_now(name, fn, *args, call_kwargs={}, warmup_handler=None, **described):
-        # Upstream's line for each program it precompiles, marked as ours.
-        log.log(level, "Precompile %s --> %s (background)", name, _describe_signature(described))
-        with jax.set_mesh(runner.mesh):
-            fn.lower(*args, **call_kwargs).compile()
-        if stop.is_set():  # exiting: the engine steps no more, and says nothing after
-            return
-        bucket = args[2].shape[0]
-        runner.num_tokens_paddings_per_dp = sorted({*runner.num_tokens_paddings_per_dp, bucket})
-        log.log(level, "tpu-models: token bucket %d compiled (background)", bucket)
-
-    def run():
-        # Below the engine's threads: a request waits as little as possible for the
-        # cores (on Linux a thread is niced alone, and its helpers inherit it).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        began = time.perf_counter()
-        for bucket in rest:  # smallest first: decodes of a few requests come first
-            if stop.is_set():  # the process is exiting
-                return
-            view = CompilationManager.__new__(CompilationManager)
-            view.runner = _RunnerView(runner, [bucket], shapes)
-            view._run_compilation = compile_now
-            try:
-                view._precompile_backbone_text_only()
-            except Exception as e:  # the bucket stays unused: steps pad past it
-                log.warning("tpu-models: token bucket %d did not compile in the background "
-                            "(%r); steps pad past it", bucket, e)
-        if not stop.is_set():
-            log.log(level, "tpu-models: all token buckets compiled (%.1f s in the background)",
-                    time.perf_counter() - began)
-
-    stop = threading.Event()
-    thread = threading.Thread(target=run, name="tpu-models-buckets", daemon=True)
-    thread.start()
-    # At exit the bucket being compiled is finished and no other is started: a daemon
-    # thread still inside XLA while the interpreter tears down aborted the process (an
-    # in-process vllm.LLM, Tunix's rollouts), status 134 or 139.
-    atexit.register(_stopped, stop, thread)
-    return thread
-
-
-def _stopped(stop: threading.Event, thread: threading.Thread) -> None:
-    stop.set()
-    thread.join()
-
-
 def buckets_after_ready() -> None:
     from tpu_inference.runner.compilation_manager import CompilationManager
 
@@ -187,7 +83,7 @@ def buckets_after_ready() -> None:
 
     def _precompile_backbone_text_only(self):
         runner = self.runner
-        plan = getattr(runner, "_tpu_models_ready_buckets", None)
+        plan = state.of(runner).ready_buckets
         if plan is None:
             return backbone(self)
         every = runner.num_tokens_paddings
@@ -202,13 +98,12 @@ def buckets_after_ready() -> None:
         if not _deferring(runner):
             return capture(self)
         every = list(runner.num_tokens_paddings)
-        runner._tpu_models_ready_buckets = ready_buckets(every)
-        self._tpu_models_overlap = True  # see compiles_overlapped
+        seam = state.of(runner)
+        seam.ready_buckets, seam.overlapped = ready_buckets(every), True  # compiles_overlapped
         try:
             capture(self)  # its flushes wait for nothing; its end waits for the workers
         finally:
-            del runner._tpu_models_ready_buckets
-            self._tpu_models_overlap = False
+            seam.ready_buckets, seam.overlapped = None, False
         self._flush_compilations()  # raises the workers' errors, runs the warm-up calls
         rest = [b for b in every if b not in ready_buckets(every)]
         if rest:
@@ -216,7 +111,7 @@ def buckets_after_ready() -> None:
             _logger().info("tpu-models: token buckets %s compiled; %s compile in the background "
                            "(until then a step pads to the next compiled one)",
                            ready_buckets(every), rest)
-            runner._tpu_models_background = _compile_in_background(self, runner, rest)
+            seam.background = compile_in_background(runner, rest)
 
     CompilationManager._precompile_backbone_text_only = _precompile_backbone_text_only
     CompilationManager.capture_model = capture_model
@@ -244,7 +139,7 @@ def compiles_overlapped() -> None:
         return precompile
 
     def _flush_compilations(self):
-        if getattr(self, "_tpu_models_overlap", False):
+        if state.of(self.runner).overlapped:
             return None
         return flush(self)
 

@@ -9,18 +9,9 @@ inputs). None of this is installed on a TPU.
 import importlib
 import os
 
+from tpu_models import off_tpu
 from tpu_models.adapt.guard import OFF_TPU, OFF_TPU_HOST, Patch, Target, rebind
 from tpu_models.host import host_platform
-
-# Default KV-cache budget off-TPU: a share of the host's memory, at most a share of
-# what is available at start-up.
-KV_CACHE_SHARE, KV_CACHE_SHARE_OF_AVAILABLE = 0.2, 0.5
-# ... and under TPU_MODELS_ATTENTION=rpa-interpret: JAX's interpreter copies the whole
-# cache into its simulated memory at every attention call (about 20x its size in RSS),
-# so 20% of a 24 GB host (4.8 GB of cache) met the OOM killer at the first prompts.
-# There the cache holds two requests at --max-model-len, and at least 32 MiB.
-INTERPRETED_KV_CACHE_BYTES, INTERPRETED_REQUESTS = 32 << 20, 2
-
 
 def _logger():
     from tpu_inference.logger import init_logger
@@ -39,70 +30,46 @@ def mesh_without_coords() -> None:
     rebind("tpu_inference.utils", "make_optimized_mesh", make_mesh)
 
 
-def kv_cache_budget(cache_config, request_bytes: int = 0) -> int:
-    """Bytes for the KV cache: --kv-cache-memory-bytes, else 20% of the host's memory (at
-    most half of what is available), rounded down to whole GiB (256 MiB below 1 GiB).
-    The cache's size is part of every compiled step's shapes: a budget that moved with
-    free memory made a restart miss the JAX cache for the whole model. Interpreted
-    (rpa-interpret): two requests of `request_bytes` (one at --max-model-len), 32 MiB
-    at least, in whole MiB."""
-    if cache_config.kv_cache_memory_bytes:
-        return int(cache_config.kv_cache_memory_bytes)
-    from tpu_models.host import attention_mode
-    if attention_mode() == "rpa-interpret":
-        mib = -(-INTERPRETED_REQUESTS * request_bytes // 2**20)  # rounded up
-        return max(INTERPRETED_KV_CACHE_BYTES, mib * 2**20)
-    import psutil
-    memory = psutil.virtual_memory()
-    share = int(min(memory.total * KV_CACHE_SHARE, memory.available * KV_CACHE_SHARE_OF_AVAILABLE))
-    quantum = 2**30 if share >= 2**30 else 2**28
-    return max(quantum, share - share % quantum)
-
-
 def memory_from_host() -> None:
-    import jax
-    import psutil
     from tpu_inference.platforms.tpu_platform import TpuPlatform
     from tpu_inference.worker.tpu_worker import TPUWorker
 
-    from tpu_models.host import attention_mode
-
-    platform = host_platform()
-
-    def usage(devices):
-        # Live arrays per device against the host's RAM (devices share it).
-        used = {}
-        for array in jax.live_arrays():
-            for shard in array.addressable_shards:
-                used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
-        total = psutil.virtual_memory().total
-        return [(used.get(d, 0), total) for d in devices]
-
-    def determine_available_memory(self) -> int:
-        request = sum(spec.max_memory_usage_bytes(self.vllm_config)
-                      for spec in self.get_kv_cache_spec().values())
-        budget = kv_cache_budget(self.cache_config, request)
-        if self.cache_config.kv_cache_memory_bytes:
-            _logger().info("tpu-models: KV cache budget on this %s host: %.2f GiB", platform,
-                           budget / 2**30)
-        elif attention_mode() == "rpa-interpret":
-            _logger().warning("tpu-models: KV cache budget %d MiB: the Pallas interpreter copies "
-                              "the whole cache at every call (set it with "
-                              "--kv-cache-memory-bytes)", budget >> 20)
-        else:  # a guess: say how to choose
-            _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB, %d%% of "
-                              "its memory in whole GiB (set it with --kv-cache-memory-bytes)",
-                              platform, budget / 2**30, KV_CACHE_SHARE * 100)
-        return budget
-
-    def mem_get_info(cls):
-        memory = psutil.virtual_memory()
-        return memory.available, memory.total
-
-    rebind("tpu_inference.utils", "hbm_usage_bytes", usage)
+    rebind("tpu_inference.utils", "hbm_usage_bytes", off_tpu.memory_in_use)
     TPUWorker.determine_available_memory = determine_available_memory
     TpuPlatform.mem_get_info = classmethod(mem_get_info)
-    TpuPlatform.get_device_name = classmethod(lambda cls, device_id=0: platform.upper())
+    TpuPlatform.get_device_name = classmethod(get_device_name)
+
+
+def determine_available_memory(self) -> int:
+    """TPUWorker.determine_available_memory: the KV cache's budget on this host, said."""
+    from tpu_models.host import attention_mode
+    request = sum(spec.max_memory_usage_bytes(self.vllm_config)
+                  for spec in self.get_kv_cache_spec().values())
+    budget = off_tpu.kv_cache_budget(self.cache_config, request)
+    platform = host_platform()
+    if self.cache_config.kv_cache_memory_bytes:
+        _logger().info("tpu-models: KV cache budget on this %s host: %.2f GiB", platform,
+                       budget / 2**30)
+    elif attention_mode() == "rpa-interpret":
+        _logger().warning("tpu-models: KV cache budget %d MiB: the Pallas interpreter copies "
+                          "the whole cache at every call (set it with "
+                          "--kv-cache-memory-bytes)", budget >> 20)
+    else:  # a guess: say how to choose
+        _logger().warning("tpu-models: KV cache budget on this %s host: %.2f GiB, %d%% of "
+                          "its memory in whole GiB (set it with --kv-cache-memory-bytes)",
+                          platform, budget / 2**30, off_tpu.KV_CACHE_SHARE * 100)
+    return budget
+
+
+def mem_get_info(cls):
+    """TpuPlatform.mem_get_info: the host's memory."""
+    import psutil
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total
+
+
+def get_device_name(cls, device_id=0):
+    return host_platform().upper()
 
 
 def no_tpu_compiler_options() -> None:
@@ -121,51 +88,21 @@ def no_tpu_compiler_options() -> None:
 
 
 def copy_host_inputs() -> None:
-    # The runner refills its host buffers for step N+1 while step N may still run;
-    # on CPU device_put may alias a numpy buffer, so the step would read the new
-    # values. Each host array is copied, and the copies go over with jit's own
-    # argument transfer (shard_args, jaxlib's): device_put's Python path cost a
-    # quarter of a demo step (benchmarks/README.md).
-    import jax
-    import numpy as np
-    from jax._src.lib import _jax
-    from jax.sharding import NamedSharding, PartitionSpec, Sharding
-    from tpu_inference import envs
-
     module = importlib.import_module("tpu_inference.layers.common.utils")
-    original = module.general_device_put
-    reuse = _jax.ArrayCopySemantics.REUSE_INPUT  # the copy below is ours alone
-
-    def put_each(shardings, _layouts, _semantics, arrays):
-        return [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
-
-    def copy(x):
-        return np.array(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)) if isinstance(
-            x, np.ndarray) else x
-
-    def general_device_put(tensor, sharding, *, layout=None, source_mesh=None):
-        leaves, tree = jax.tree.flatten(tensor)
-        copies = [copy(x) for x in leaves]
-        if layout is not None or envs.TPU_MULTIHOST_BACKEND == "ray":
-            return original(jax.tree.unflatten(tree, copies), sharding, layout=layout,
-                            source_mesh=source_mesh)
-        if isinstance(sharding, PartitionSpec) and not (mesh := jax.sharding.get_mesh()).empty:
-            sharding = NamedSharding(mesh, sharding)  # the mesh device_put reads a bare spec in
-        if isinstance(sharding, Sharding):
-            # Already there: device_put's answer, without its Python path. Equivalent
-            # counts: the runner asks P("data") of a P() array on a data axis of 1
-            # (78-101 us a decode step for the async token substitution).
-            if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-                   and x.committed and x.sharding.is_equivalent_to(sharding, x.ndim)
-                   for x in leaves):
-                return tensor
-            if all(isinstance(x, np.ndarray) for x in copies):
-                n = len(copies)
-                return jax.tree.unflatten(tree, _jax.shard_args(
-                    [sharding] * n, [None] * n, [reuse] * n, copies, fallback=put_each))
-        return jax.device_put(jax.tree.unflatten(tree, copies), sharding)
-
+    upstream["device_put"] = module.general_device_put
     rebind(module.__name__, "general_device_put", general_device_put)
+
+
+upstream: dict = {}  # tpu-inference's general_device_put
+
+
+def general_device_put(tensor, sharding, *, layout=None, source_mesh=None):
+    """general_device_put: host arrays copied before the step reads them (off_tpu)."""
+    from tpu_inference import envs
+    if layout is not None or envs.TPU_MULTIHOST_BACKEND == "ray":
+        return upstream["device_put"](off_tpu.copied(tensor), sharding, layout=layout,
+                                      source_mesh=source_mesh)
+    return off_tpu.put_copies(tensor, sharding)
 
 
 def portable_default_attention() -> None:
@@ -188,25 +125,12 @@ def small_token_buckets() -> None:
 
 
 def argmax_as_two_reductions() -> None:
-    # XLA:CPU lowers argmax to a (value, index) reduce it does not vectorize:
-    # 1.07 ms over Gemma 3's 262k vocabulary against 0.1 ms for a max, then the
-    # least position holding it (greedy sampling, rejection, drafts, categorical).
-    # Same answer: the first maximum, or the first NaN where there is one.
-    import jax.numpy as jnp
-    from jax import lax
+    # XLA:CPU's argmax is a scalar loop (greedy sampling, rejection, drafts,
+    # categorical); off_tpu.first_max gives the same answer in two reductions.
     from jax.interpreters import mlir
 
-    def first_max(operand, *, axes, index_dtype):
-        axis, = axes
-        hit = operand == jnp.max(operand, axis=axis, keepdims=True)
-        if jnp.issubdtype(operand.dtype, jnp.floating):
-            nan = jnp.isnan(operand)
-            hit = jnp.where(jnp.any(nan, axis=axis, keepdims=True), nan, hit)
-        positions = lax.broadcasted_iota(index_dtype, operand.shape, axis)
-        return jnp.min(jnp.where(hit, positions, jnp.iinfo(index_dtype).max), axis=axis)
-
-    mlir.register_lowering(lax.argmax_p, mlir.lower_fun(first_max, multiple_results=False),
-                           platform="cpu")
+    primitive, rule = off_tpu.argmax_lowering()
+    mlir.register_lowering(primitive, rule, platform="cpu")
 
 
 def _patch(name, targets, why, test, install, speed=""):

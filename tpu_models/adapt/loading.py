@@ -10,8 +10,7 @@ XLA's memory in its own dtype and rearranged and cast by one compiled
 transpose (tiled, every core). Anything else takes upstream's path unchanged.
 """
 
-import functools
-
+from tpu_models import off_tpu
 from tpu_models.adapt.guard import OFF_TPU, STARTUP, Patch, Target
 
 WEIGHTS = "tpu_inference.models.jax.utils.weight_utils"
@@ -31,19 +30,6 @@ def mark(name: str, tensor, dtype):
     logs.WIDENED_BY_LOADER.add(name)
     setattr(tensor, _ATTRIBUTE, dtype)
     return tensor
-
-
-@functools.cache
-def _arrange():
-    import jax
-    import jax.numpy as jnp
-
-    @functools.partial(jax.jit, static_argnames=("shape", "perm", "dtype"))
-    def arrange(x, shape, perm, dtype):
-        x = x.reshape(shape)
-        return (x if perm is None else jnp.transpose(x, perm)).astype(dtype)
-
-    return arrange
 
 
 def _host_array(tensor):
@@ -87,7 +73,7 @@ def one_pass_conversion() -> None:
         with common.cpu_mesh_context():
             # On the CPU mesh by name: across hosts, sharding it reads its pieces there.
             x = jax.device_put(host, NamedSharding(common.cpu_mesh(), PartitionSpec()))
-            value = _arrange()(x, shape=shape, perm=perm, dtype=to_jax_dtype(served))
+            value = off_tpu.arranged(x, shape, perm, to_jax_dtype(served))
             value.block_until_ready()  # a streamed tensor's buffer is refilled next
         del x
         weight_utils.assign_and_shard_param(jax_param, value, param_name)

@@ -6,85 +6,42 @@ head_dim-64 twin). Off-TPU they call the portable kernel, unless
 TPU_MODELS_ATTENTION asks for the TPU path: then everything around the kernel
 is what a TPU runs, and the kernel is
 - rpa-interpret: the Pallas kernel itself, in JAX's TPU interpreter
-  (adapt/rpa_interpret.py): its block sizes, DMAs and double buffering too;
-- rpa-reference: tpu-inference's own reference of it
-  (`ref_ragged_paged_attention`), called on the host through `jax.pure_callback`.
-  The reference checks its inputs as the kernel's contract states them and
-  loops over requests in Python: it exercises the cache layout, the arguments
-  our layers pass and the kernel's semantics, not block sizes, VMEM or chunking.
+  (kernels.rpa_interpret, whose callbacks read the refs the kernel reshapes and
+  bitcasts): its block sizes, DMAs and double buffering too;
+- rpa-reference: tpu-inference's own reference of it, on the host
+  (kernels.rpa_reference).
 """
 
-from tpu_models.adapt.guard import OFF_TPU, RPA_PATH, Patch, Target
+from tpu_models.adapt.guard import OFF_TPU, RPA_INTERPRET, RPA_PATH, Patch, Target
+from tpu_models.kernels import rpa_interpret, rpa_reference
 
 INTERFACE = "tpu_inference.layers.common.attention_interface"
 KERNELS = "tpu_inference.kernels.ragged_paged_attention.v3"
+INTERPRETER = "jax._src.pallas.mosaic.interpret.interpret_pallas_call"
 
 
-def by_reference(reference):
-    """A kernel with the Pallas kernel's signature that runs `reference` on the host."""
+def transformed_refs_interpreted() -> None:
+    from tpu_models.host import attention_mode
+    if attention_mode() == "rpa-interpret":
+        interpreter_reads_transformed_refs()
+
+
+def interpreter_reads_transformed_refs() -> None:
+    """Wraps the interpreter's get/store/swap (it looks them up at call time:
+    `functools.partial(get, ...)` for loads and stores, `get.__wrapped__` and
+    `store.__wrapped__` for DMAs), keeping its `fail_on_exception` wrapper."""
+    import importlib
+
     import jax
-    import jax.numpy as jnp
-
-    programs = {}  # options -> (q_len, kv_len) -> program
-
-    def kernel(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
-               distribution, *sinks, sm_scale=1.0, sliding_window=None, soft_cap=None,
-               q_scale=None, k_scale=None, v_scale=None, update_kv_cache=True,
-               use_causal_mask=True, **tuning):  # block sizes: the reference has none
-        if sinks or not update_kv_cache:
-            raise NotImplementedError("TPU_MODELS_ATTENTION=rpa-reference: attention sinks "
-                                      "and KV sharing have no reference here")
-        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-        if not use_causal_mask:
-            options["use_causal_mask"] = False
-        out_dtype = jnp.float32 if queries.dtype == jnp.float32 else jnp.bfloat16
-        compiled = programs.setdefault(tuple(sorted(options.items())), {})  # once a trace
-        shapes = (jax.ShapeDtypeStruct(queries.shape, out_dtype),
-                  jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
-        return jax.pure_callback(
-            lambda *a: _on_host(reference, options, compiled, out_dtype, *a), shapes, queries,
-            keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
-
-    return kernel
-
-
-def _one_request(reference, q_len: int, kv_len: int, options: dict, compiled: dict):
-    """The reference on a batch of one request of these lengths, jitted. Run eagerly
-    it compiles a dozen small programs for each (q_len, kv_len) it meets and copies
-    the whole cache at each write: one program per pair, on the request's own pages,
-    compiles in a fraction of the time. XLA fuses its operations: the outputs move
-    by a few float32 ulps (tests/test_attention.py), the cache not at all."""
-    import jax
-    import numpy as np
-    if (q_len, kv_len) not in compiled:
-        lens, cu_lens = np.array([kv_len], np.int32), np.array([0, q_len], np.int32)
-        one = np.array([0, 0, 1], np.int32)  # distribution: one live request
-
-        def run(q, k, v, pages):
-            indices = np.arange(pages.shape[0], dtype=np.int32)
-            return reference(q, k, v, pages, lens, indices, cu_lens, one, **options)
-        compiled[q_len, kv_len] = jax.jit(run)
-    return compiled[q_len, kv_len]
-
-
-def _on_host(reference, options, compiled, out_dtype, queries, keys, values, kv_cache, kv_lens,
-             page_indices, cu_q_lens, distribution):
-    """Each live request in turn, in the reference's order, on a batch of its own:
-    its pages gathered, attended, written back before the next one reads."""
-    import numpy as np
-    pages_per_seq = page_indices.shape[0] // kv_lens.shape[0]
-    page_size = kv_cache.shape[1]
-    cache = np.array(kv_cache)
-    rows = np.zeros(queries.shape, out_dtype)  # the reference returns the live rows only
-    for i in range(int(distribution[-1])):
-        start, end, kv_len = int(cu_q_lens[i]), int(cu_q_lens[i + 1]), int(kv_lens[i])
-        pages = page_indices[i * pages_per_seq:][:-(-kv_len // page_size)]
-        out, written = _one_request(reference, end - start, kv_len, options, compiled)(
-            queries[start:end], keys[start:end], values[start:end], cache[pages])
-        cache[pages] = np.asarray(written)
-        rows[start:end] = np.asarray(out)
-    return rows, cache
+    if jax.__version__ != rpa_interpret.JAX_VERSION:  # host.attention_mode refuses it first
+        raise RuntimeError(f"rpa-interpret adapts JAX {rpa_interpret.JAX_VERSION}'s "
+                           f"interpreter, this is {jax.__version__}")
+    ipc = importlib.import_module(INTERPRETER)
+    if ipc.get.__module__ == rpa_interpret.__name__:
+        return
+    get, store, swap = rpa_interpret.callbacks(
+        ipc.get.__wrapped__, ipc.store.__wrapped__, ipc.swap.__wrapped__)
+    ipc.get, ipc.store, ipc.swap = (ipc.fail_on_exception(f) for f in (get, store, swap))
 
 
 def kernel_off_tpu() -> None:
@@ -109,12 +66,13 @@ def kernel_off_tpu() -> None:
     v3 = importlib.import_module(f"{KERNELS}.kernel")
     hd64 = importlib.import_module(f"{KERNELS}.kernel_hd64")
     if mode == "rpa-interpret":
-        from tpu_models.adapt.rpa_interpret import interpreted
-        interface.ragged_paged_attention = interpreted(v3, "ragged_paged_attention")
-        interface.ragged_paged_attention_hd64 = interpreted(hd64, "ragged_paged_attention_hd64")
+        interface.ragged_paged_attention = rpa_interpret.interpreted(v3, "ragged_paged_attention")
+        interface.ragged_paged_attention_hd64 = rpa_interpret.interpreted(
+            hd64, "ragged_paged_attention_hd64")
         return
-    interface.ragged_paged_attention = by_reference(v3.ref_ragged_paged_attention)
-    interface.ragged_paged_attention_hd64 = by_reference(hd64.ref_ragged_paged_attention_hd64)
+    interface.ragged_paged_attention = rpa_reference.by_reference(v3.ref_ragged_paged_attention)
+    interface.ragged_paged_attention_hd64 = rpa_reference.by_reference(
+        hd64.ref_ragged_paged_attention_hd64)
 
 
 _KERNEL = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
@@ -133,6 +91,24 @@ _REFERENCE_HD64 = ("queries keys values kv_cache kv_lens page_indices cu_q_lens 
                    "attention_sink sm_scale sliding_window soft_cap mask_value q_scale k_scale "
                    "v_scale")
 PATCHES = [
+    Patch("Pallas TPU interpreter reads reshaped and bitcast refs", RPA_INTERPRET, (
+        Target(f"{INTERPRETER}.get", "token device_id local_core_id memory_space buffer_id "
+               "transforms block_indices grid_loop_idx src_device_id src_local_core_id clock "
+               "source_info input_name"),
+        Target(f"{INTERPRETER}.store", "token device_id local_core_id memory_space buffer_id "
+               "transforms val block_indices grid_loop_idx src_device_id src_local_core_id "
+               "clock source_info output_name"),
+        Target(f"{INTERPRETER}.swap", "token device_id local_core_id memory_space buffer_id "
+               "transforms val mask source_info"),
+        Target(f"{INTERPRETER}.fail_on_exception", "func"),
+        Target(f"{INTERPRETER}._local_core_id_or_zero_if_hbm", "local_core_id memory_space"),
+        Target(f"{INTERPRETER}._get_shared_memory", ""),
+        Target("jax.experimental.pallas.tpu.force_tpu_interpret_mode", "params"),
+        Target(f"{KERNELS}.kernel.get_tpu_version", ""),
+        Target(f"{KERNELS}.tuned_block_sizes_hd64.get_device_name", "num_devices")),
+        "RPA v3 stopped in the interpreter: 'ReshapeTransform' object has no attribute 'indices'",
+        "tests/test_attention.py::test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches",
+        transformed_refs_interpreted, platform=OFF_TPU),
     Patch("RPA kernel by its reference or interpreted (TPU_MODELS_ATTENTION=rpa-reference, "
           "rpa-interpret)", RPA_PATH, (
         Target(f"{INTERFACE}.ragged_paged_attention", _KERNEL),

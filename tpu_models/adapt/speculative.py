@@ -1,13 +1,13 @@
 """Speculative decoding: tpu-inference's JAX EAGLE-3 draft, with our targets.
 
-Its name and dtype apply everywhere; the last two are off-TPU speed: the
-figures are in benchmarks/README.md (bench spec).
+Its name and dtype apply everywhere; the last three are off-TPU speed (their
+device code: speculative.draft), the figures in benchmarks/README.md (bench spec).
 """
 
-import dataclasses
 import functools
 
 from tpu_models.adapt.guard import EAGLE3, OFF_TPU, Patch, Target
+from tpu_models.speculative import draft
 
 PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"
 DRAFT = "tpu_inference.models.jax.llama_eagle3.EagleLlama3ForCausalLM"
@@ -55,12 +55,12 @@ def drafts_from_object_storage() -> None:
         if self.spec_model is not None and is_object_storage(self.spec_model):
             self.spec_model = local_draft(self.spec_model, ObjectStorageModel)
         config = original(self, target_model_config, target_parallel_config)
-        draft = getattr(config, "draft_model_config", None)
-        if draft is not None and not draft.model_weights:
+        draft_config = getattr(config, "draft_model_config", None)
+        if draft_config is not None and not draft_config.model_weights:
             # Under --load-format runai_streamer, tpu-inference streams a draft from
             # its model_weights, which only an object-storage model has set: a local
             # draft was looked up as the Hugging Face repository "".
-            draft.model_weights = draft.model
+            draft_config.model_weights = draft_config.model
         return config
 
     EngineArgs.create_speculative_config = create_speculative_config
@@ -68,22 +68,17 @@ def drafts_from_object_storage() -> None:
 
 def drafts_in_the_served_dtype() -> None:
     # tpu-inference computes every draft layer in bfloat16 whatever --dtype says.
-    import jax.numpy as jnp
-    from flax import nnx
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+
+    upstream["draft_init"] = EagleLlama3ForCausalLM.__init__
+    EagleLlama3ForCausalLM.__init__ = draft_init
+
+
+def draft_init(self, vllm_config, rng_key, mesh):
+    """EagleLlama3ForCausalLM.__init__, the draft computing in the served dtype."""
     from tpu_inference.utils import to_jax_dtype
-
-    original = EagleLlama3ForCausalLM.__init__
-
-    def __init__(self, vllm_config, rng_key, mesh):
-        original(self, vllm_config, rng_key, mesh)
-        served = jnp.dtype(to_jax_dtype(vllm_config.model_config.dtype))
-        for _, node in nnx.iter_graph(self):
-            # the computation dtype; param_dtype only shapes the checkpoint's placeholders
-            if isinstance(node, nnx.Module) and getattr(node, "dtype", None) == jnp.bfloat16:
-                node.dtype = served
-
-    EagleLlama3ForCausalLM.__init__ = __init__
+    upstream["draft_init"](self, vllm_config, rng_key, mesh)
+    draft.computing_in(self, to_jax_dtype(vllm_config.model_config.dtype))
 
 
 def draft_heads_at_their_size() -> None:
@@ -110,149 +105,47 @@ def draft_heads_at_their_size() -> None:
 
 
 def draft_passes_on_live_rows() -> None:
-    # Passes after the first ran on every request slot (64 off-TPU). Each request
-    # has a token in the step, so the token bucket bounds the live requests: the
-    # passes run on min(slots, tokens) rows and the drafts are padded back. A
-    # caller knowing the step's requests (adapt.spec_fusion) bounds them closer
-    # with live_rows: a prompt's 64 tokens are one request. The first pass writes
-    # every token's keys and values but finishes the layer on those rows only
-    # (_first_pass_on_rows). Jitted without the original's xla_tpu_* options.
+    # Jitted without the original's xla_tpu_* options. Static both by position (the
+    # runner's calls) and by name (upstream's precompilation): given both, JAX maps
+    # neither to the other.
     import jax
-    import jax.numpy as jnp
     from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
 
-    every_row = Eagle3Proposer._propose.__wrapped__
-
-    def propose(self, state_leaves, kv_caches, input_ids, attn_metadata, last_token_indices,
-                target_hidden_states, num_speculative_tokens, layer_name_to_kvcache_index,
-                live_rows=None):
-        rows = last_token_indices.shape[0]
-        live = min(rows, input_ids.shape[0], live_rows or rows)
-        if (live == rows or num_speculative_tokens == 1 or self.method != "eagle3"
-                or self.constant_draft_positions or self.runner.dp_size > 1):
-            return every_row(self, state_leaves, kv_caches, input_ids, attn_metadata,
-                             last_token_indices, target_hidden_states, num_speculative_tokens,
-                             layer_name_to_kvcache_index)
-        last = last_token_indices[:live]
-        if _first_pass_on_rows_applies(self, attn_metadata):
-            kv_caches, out, hidden = _first_pass_on_rows(
-                self, state_leaves, kv_caches, input_ids, target_hidden_states, attn_metadata,
-                last)
-            positions = attn_metadata.input_positions[last]
-            draft = self._get_draft_token_ids(state_leaves, out)
-        else:
-            kv_caches, hidden, residual, _ = self.model_fn(
-                state_leaves, kv_caches, input_ids, target_hidden_states, attn_metadata,
-                layer_name_to_kvcache_index, spec_step_idx=0)
-            positions, hidden, draft = self._select_inputs_for_loop_speculation(
-                state_leaves, attn_metadata.input_positions, residual[0], hidden, last)
-        pages = attn_metadata.block_tables.shape[0] // rows  # block_tables: [rows * pages]
-        seq_lens, block_tables = attn_metadata.seq_lens[:live], attn_metadata.block_tables[:live * pages]
-        drafts = [draft]  # each [live]
-        for step in range(1, num_speculative_tokens):
-            positions, clamped, seq_lens, starts, block_tables = (
-                self._update_inputs_for_loop_speculation(positions, seq_lens, block_tables))
-            attn_metadata = dataclasses.replace(
-                attn_metadata, input_positions=clamped, seq_lens=seq_lens,
-                query_start_loc=starts, block_tables=block_tables)
-            kv_caches, out, residual, _ = self.model_fn(
-                state_leaves, kv_caches, drafts[-1], hidden, attn_metadata,
-                layer_name_to_kvcache_index, spec_step_idx=step)
-            hidden = residual[0]
-            drafts.append(self._get_draft_token_ids(state_leaves, out))
-        drafts = jnp.stack(drafts, axis=1)  # [live, k]
-        return kv_caches, jnp.pad(drafts, ((0, rows - live), (0, 0)))
-
-    # Static both by position (the runner's calls) and by name (upstream's
-    # precompilation): given both, JAX maps neither to the other.
+    upstream["propose"] = Eagle3Proposer._propose.__wrapped__
     Eagle3Proposer._propose = jax.jit(propose, donate_argnames=("kv_caches", ),
                                       out_shardings=(None, None), static_argnums=(0, 7, 8),
                                       static_argnames=("num_speculative_tokens",
                                                        "layer_name_to_kvcache_index", "live_rows"))
 
 
-def _first_pass_on_rows_applies(proposer, attn_metadata) -> bool:
-    """tpu-inference's one-layer Llama EAGLE-3 draft, one device, the portable attention
-    (whose cache layout write_kv_cache writes), keys and values not quantized."""
-    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
-
-    from tpu_models.host import attention_mode
-
-    model = proposer.model
-    return (isinstance(model, EagleLlama3ForCausalLM) and len(model.model.layers) == 1
-            and proposer.mesh.size == 1 and attention_mode() == "portable"
-            and not model.model.layers[0].self_attn.kv_cache_quantized_dtype
-            and attn_metadata.input_positions.ndim == 1)
+upstream: dict = {}  # tpu-inference's draft passes on every row
 
 
-def _first_pass_on_rows(proposer, state_leaves, kv_caches, input_ids, target_hidden, md, rows):
-    """The draft's first pass over a step's tokens, finished at `rows` only (each
-    request's last token): every token's keys and values go into the draft's cache, for
-    the later passes to attend, but queries, attention, o_proj and the MLP run on `rows`.
-    A 47-token prompt's pass computed all 64 rows of its bucket through the layer to draft
-    from one. Returns (kv_caches, the normed output [rows, D], the residual [rows, D])."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tpu_inference.layers.common.attention_interface import attention
-    from tpu_inference.models.jax.llama3 import apply_rope
-
-    from tpu_models.attention import write_kv_cache
-
-    graphdef, state = nnx.split(proposer.model)
-    model = nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), state_leaves))
-    body = model.model
-    layer = body.layers[0]
-    attn = layer.self_attn
-    # The layer's inputs, as Eagle3LlamaDecoderLayer.__call__ forms them, for every token.
-    embeds = layer.input_layernorm(body.embed_tokens(input_ids))
-    norm = (layer._norm_before_residual if getattr(layer.config, "norm_before_residual", False)
-            else layer._norm_after_residual)
-    hidden, residual = norm(target_hidden)
-    x = jnp.concatenate([embeds, hidden], axis=-1)
-
-    def rope(t, positions):
-        return apply_rope(t, positions, attn.head_dim_original, attn.rope_theta,
-                          attn.rope_scaling)
-
-    positions = md.input_positions
-    k, v = rope(attn.k_proj(x), positions), attn.v_proj(x)
-    cache = write_kv_cache(kv_caches[-1], k, v, md.seq_lens, md.block_tables,
-                           md.query_start_loc, md.request_distribution[2])
-    # Row i (request i's) attends its request's keys up to its own place, as it
-    # does in the full pass: a request of one query, at that place.
-    live = rows.shape[0]
-    context = md.seq_lens[:live] - (md.query_start_loc[1:live + 1] - rows) + 1
-    pages = md.block_tables.shape[0] // md.seq_lens.shape[0]
-    selected = dataclasses.replace(
-        md, input_positions=positions[rows], seq_lens=context,
-        query_start_loc=jnp.arange(live + 1, dtype=md.query_start_loc.dtype),
-        block_tables=md.block_tables[:live * pages])
-    q = rope(attn.q_proj(x[rows]), positions[rows])
-    cache, out = attention(cache, q, k[rows], v[rows], selected, proposer.mesh,
-                           attn.head_dim_original, update_kv_cache=False)
-    out = attn.o_proj(out) + residual[rows]
-    out = layer.mlp(layer.post_attention_layernorm(out)) + out
-    return [*kv_caches[:-1], cache], body.norm(out), out
+def propose(self, state_leaves, kv_caches, input_ids, attn_metadata, last_token_indices,
+            target_hidden_states, num_speculative_tokens, layer_name_to_kvcache_index,
+            live_rows=None):
+    """Eagle3Proposer._propose: the passes on the live rows (speculative.draft), where
+    a caller (speculative.fusion) may name how many."""
+    live = draft.on_live_rows(self, last_token_indices.shape[0], input_ids.shape[0],
+                              live_rows, num_speculative_tokens)
+    if not live:
+        return upstream["propose"](self, state_leaves, kv_caches, input_ids, attn_metadata,
+                                   last_token_indices, target_hidden_states,
+                                   num_speculative_tokens, layer_name_to_kvcache_index)
+    return draft.propose_on_live_rows(self, state_leaves, kv_caches, input_ids, attn_metadata,
+                                      last_token_indices, target_hidden_states,
+                                      num_speculative_tokens, layer_name_to_kvcache_index, live)
 
 
 def draft_logits_gathered() -> None:
-    # Fed to tpu-inference's scatter, XLA:CPU computed the draft's lm_head
-    # transposed in a naive loop; the same placement as a gather keeps it a matmul.
-    import jax.numpy as jnp
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
 
-    def compute_logits(self, hidden_states):
-        logits = self.lm_head(hidden_states)  # [T, draft vocab]
-        draft_vocab = logits.shape[1]
-        targets = jnp.arange(draft_vocab, dtype=jnp.int32) + self.draft_id_to_target_id.value
-        vocab = self.vllm_config.model_config.get_vocab_size()
-        draft_of = jnp.full((vocab, ), draft_vocab, jnp.int32).at[targets].set(
-            jnp.arange(draft_vocab, dtype=jnp.int32))  # [vocab]; draft_vocab: none
-        logits = jnp.pad(logits, ((0, 0), (0, 1)), constant_values=-jnp.inf)
-        return logits[:, draft_of]  # [T, vocab]
-
     EagleLlama3ForCausalLM.compute_logits = compute_logits
+
+
+def compute_logits(self, hidden_states):
+    """EagleLlama3ForCausalLM.compute_logits, placed by a gather (speculative.draft)."""
+    return draft.logits_in_target_vocabulary(self, hidden_states)
 
 
 _PROPOSE = ("self state_leaves kv_caches input_ids attn_metadata last_token_indices "

@@ -5,7 +5,8 @@ start-up its compilation manager runs `capture_model`, which calls the flushes
 and the step's precompilation. Each step, `execute_model` runs `_prepare_inputs`,
 inside which `TPUSupportedSamplingMetadata.from_input_batch` builds the sampling
 metadata; then `sample_tokens` runs `_sample_from_logits`, which calls `sample`
-and, beside drafts, the rejection sampler (vLLM calls the two strictly in turn).
+and, beside drafts, the rejection sampler (vLLM calls the two strictly in turn);
+with a grammar, `sample_tokens` first lays out its bitmask rows.
 What one replacement learns and a later one needs is a field of `SeamState`,
 kept in one attribute of the runner (`of(runner)`: `runner.tpu_models_state`);
 the seam drops no other attribute on an upstream object. `from_input_batch` is
@@ -39,7 +40,11 @@ class SeamState:
     # sampling.from_input_batch: request id -> whether it asks for something the
     # extended sampler adds (sampler.metadata.asks_for_extras), for live requests.
     asks_for_extras: dict[str, bool] = dataclasses.field(default_factory=dict)
-    # spec_fusion._sample_from_logits: a fused EAGLE-3 step failed to trace or
+    # structured_output.sample_tokens -> structured_output.prepare_structured_decoding_input:
+    # request id -> its draft tokens this step (the runner drops the scheduler
+    # output before the grammar's rows are laid out).
+    draft_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    # spec_fusion.sample_from_logits: a fused EAGLE-3 step failed to trace or
     # compile, so every later step runs tpu-inference's calls.
     unfused: bool = False
     # compilation.capture_model -> compilation._precompile_backbone_text_only: while

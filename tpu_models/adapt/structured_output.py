@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from tpu_models.adapt import state
 from tpu_models.adapt.guard import GUIDED, GUIDED_WITH_DRAFTS, Patch, Target
 
 RUNNER = "tpu_inference.runner"
@@ -25,7 +26,7 @@ def grammar_rows_per_logits_row() -> None:
         # The runner drops the scheduler output before masking: keep the draft counts.
         if grammar_output is not None and self.execute_model_state is not None:
             scheduled = self.execute_model_state.scheduler_output
-            self.structured_decoding_manager.draft_tokens = {
+            state.of(self).draft_tokens = {
                 req_id: len(tokens)
                 for req_id, tokens in scheduled.scheduled_spec_decode_tokens.items()}
         return original_sample(self, grammar_output)
@@ -33,7 +34,7 @@ def grammar_rows_per_logits_row() -> None:
     def prepare_structured_decoding_input(self, logits, grammar_output):
         if self.runner.vllm_config.sharding_config.total_dp_size > 1:
             return original_prepare(self, logits, grammar_output)  # rows reordered per rank
-        drafts = getattr(self, "draft_tokens", {})
+        drafts = state.of(self.runner).draft_tokens
         first_row, row = {}, 0
         for req_id in self.runner.input_batch.req_ids:
             first_row[req_id] = row

@@ -4,16 +4,15 @@ In `tpu-models compile` every array the engine's start-up would allocate is an
 abstract buffer (`buffer`): a ShapeDtypeStruct placed on the slice's devices,
 labelled with what it holds and alive while something refers to it, so HBM in
 use is counted from the live ones (`bytes_on`). Each program precompilation
-names is a `Program` in PROGRAMS. The seam's compile-only patches
-(tpu_models.adapt.topology, topology_programs) record these; the compile's
-report reads them.
+names is a `Program` in PROGRAMS. The start-up on the slice (abstract.py)
+records these; the compile's report reads them.
 """
 
 import dataclasses
 import functools
 import weakref
 
-from tpu_models import program_costs
+from tpu_models.topology import costs as program_costs
 
 # What an abstract buffer holds, when the chip keeps it between steps (KEPT).
 WEIGHTS, DRAFT_WEIGHTS, KV_CACHE, HOST_INPUTS = "weights", "draft weights", "kv_cache", "host inputs"

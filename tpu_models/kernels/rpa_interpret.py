@@ -8,7 +8,8 @@ assumes every transform is an indexer, while RPA v3 reshapes its refs (the
 paged KV cache as `pages * page_size` rows) and bitcasts them (packed bf16 and
 fp8 rows as uint32): on JAX 0.11.2 the first such access fails with
     AttributeError: 'ReshapeTransform' object has no attribute 'indices'
-Here the three callbacks are wrapped. Accesses whose transforms are all
+Here the three callbacks are wrapped (`callbacks`; adapt.rpa_kernel installs
+them). Accesses whose transforms are all
 indexers run the original callbacks unchanged. A reshape that merges leading
 axes followed by an index inside one of its rows (RPA's paged DMAs) is folded
 into an indexer on the unreshaped buffer. Anything else (small VMEM scratch
@@ -31,10 +32,6 @@ import functools
 
 import numpy as np
 
-from tpu_models.adapt.guard import OFF_TPU, RPA_INTERPRET, Patch, Target
-
-INTERPRETER = "jax._src.pallas.mosaic.interpret.interpret_pallas_call"
-KERNELS = "tpu_inference.kernels.ragged_paged_attention.v3"
 # The interpreter's callbacks are private: this is the JAX they were read in.
 JAX_VERSION = "0.11.2"
 
@@ -256,32 +253,6 @@ def _make_swap(orig_get, orig_store, orig_swap):
     return swap
 
 
-def transformed_refs_interpreted() -> None:
-    from tpu_models.host import attention_mode
-    if attention_mode() == "rpa-interpret":
-        enable()
-
-
-def enable() -> None:
-    """Wraps the interpreter's get/store/swap (it looks them up at call time:
-    `functools.partial(get, ...)` for loads and stores, `get.__wrapped__` and
-    `store.__wrapped__` for DMAs), keeping its `fail_on_exception` wrapper."""
-    import importlib
-
-    import jax
-    if jax.__version__ != JAX_VERSION:  # host.attention_mode refuses this first
-        raise RuntimeError(f"rpa-interpret adapts JAX {JAX_VERSION}'s interpreter, "
-                           f"this is {jax.__version__}")
-    ipc = importlib.import_module(INTERPRETER)
-    if getattr(ipc.get, "_tpu_models", False):
-        return
-    get, store, swap = ipc.get.__wrapped__, ipc.store.__wrapped__, ipc.swap.__wrapped__
-    ipc.get = ipc.fail_on_exception(_make_get(get))
-    ipc.store = ipc.fail_on_exception(_make_store(get, store))
-    ipc.swap = ipc.fail_on_exception(_make_swap(get, store, swap))
-    ipc.get._tpu_models = True
-
-
 # What the kernels ask a TPU for: its version (kernel.py: block sizes, and the
 # mask path of v6 and later), its name (kernel_hd64's tuned block sizes), its
 # VMEM size (vmem_limit_bytes=None). A v6e's answers.
@@ -326,23 +297,8 @@ def interpreted(kernel_module, entry: str):
     return run
 
 
-PATCHES = [
-    Patch("Pallas TPU interpreter reads reshaped and bitcast refs", RPA_INTERPRET, (
-        Target(f"{INTERPRETER}.get", "token device_id local_core_id memory_space buffer_id "
-               "transforms block_indices grid_loop_idx src_device_id src_local_core_id clock "
-               "source_info input_name"),
-        Target(f"{INTERPRETER}.store", "token device_id local_core_id memory_space buffer_id "
-               "transforms val block_indices grid_loop_idx src_device_id src_local_core_id "
-               "clock source_info output_name"),
-        Target(f"{INTERPRETER}.swap", "token device_id local_core_id memory_space buffer_id "
-               "transforms val mask source_info"),
-        Target(f"{INTERPRETER}.fail_on_exception", "func"),
-        Target(f"{INTERPRETER}._local_core_id_or_zero_if_hbm", "local_core_id memory_space"),
-        Target(f"{INTERPRETER}._get_shared_memory", ""),
-        Target("jax.experimental.pallas.tpu.force_tpu_interpret_mode", "params"),
-        Target(f"{KERNELS}.kernel.get_tpu_version", ""),
-        Target(f"{KERNELS}.tuned_block_sizes_hd64.get_device_name", "num_devices")),
-        "RPA v3 stopped in the interpreter: 'ReshapeTransform' object has no attribute 'indices'",
-        "tests/test_attention.py::test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches",
-        transformed_refs_interpreted, platform=OFF_TPU),
-]
+def callbacks(get, store, swap):
+    """The interpreter's (get, store, swap), given its originals, reading transformed
+    refs."""
+    return _make_get(get), _make_store(get, store), _make_swap(get, store, swap)
+

@@ -1,0 +1,140 @@
+"""Serving off-TPU: what a TPU answers that another JAX backend (XLA:CPU) must.
+
+The KV cache's budget from the host's memory (`kv_cache_budget`), memory in use
+from the live arrays (`memory_in_use`), host inputs copied before the step reads
+them (`copied`, `put_copies`), argmax as two reductions (`first_max`), and a
+weight rearranged and cast in one compiled pass (`arranged`). The seam
+(adapt.host_portability, adapt.loading) puts these where tpu-inference asks a TPU.
+"""
+
+import functools
+
+# Default KV-cache budget off-TPU: a share of the host's memory, at most a share of
+# what is available at start-up.
+KV_CACHE_SHARE, KV_CACHE_SHARE_OF_AVAILABLE = 0.2, 0.5
+# ... and under TPU_MODELS_ATTENTION=rpa-interpret: JAX's interpreter copies the whole
+# cache into its simulated memory at every attention call (about 20x its size in RSS),
+# so 20% of a 24 GB host (4.8 GB of cache) met the OOM killer at the first prompts.
+# There the cache holds two requests at --max-model-len, and at least 32 MiB.
+INTERPRETED_KV_CACHE_BYTES, INTERPRETED_REQUESTS = 32 << 20, 2
+
+
+@functools.cache
+def _arrange():
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnames=("shape", "perm", "dtype"))
+    def arrange(x, shape, perm, dtype):
+        x = x.reshape(shape)
+        return (x if perm is None else jnp.transpose(x, perm)).astype(dtype)
+
+    return arrange
+
+
+def arranged(x, shape, perm, dtype):
+    """`x` reshaped to `shape`, transposed by `perm` (None: as it is) and cast to
+    `dtype` by one compiled transpose (tiled, every core)."""
+    return _arrange()(x, shape=shape, perm=perm, dtype=dtype)
+
+
+def kv_cache_budget(cache_config, request_bytes: int = 0) -> int:
+    """Bytes for the KV cache: --kv-cache-memory-bytes, else 20% of the host's memory (at
+    most half of what is available), rounded down to whole GiB (256 MiB below 1 GiB).
+    The cache's size is part of every compiled step's shapes: a budget that moved with
+    free memory made a restart miss the JAX cache for the whole model. Interpreted
+    (rpa-interpret): two requests of `request_bytes` (one at --max-model-len), 32 MiB
+    at least, in whole MiB."""
+    if cache_config.kv_cache_memory_bytes:
+        return int(cache_config.kv_cache_memory_bytes)
+    from tpu_models.host import attention_mode
+    if attention_mode() == "rpa-interpret":
+        mib = -(-INTERPRETED_REQUESTS * request_bytes // 2**20)  # rounded up
+        return max(INTERPRETED_KV_CACHE_BYTES, mib * 2**20)
+    import psutil
+    memory = psutil.virtual_memory()
+    share = int(min(memory.total * KV_CACHE_SHARE, memory.available * KV_CACHE_SHARE_OF_AVAILABLE))
+    quantum = 2**30 if share >= 2**30 else 2**28
+    return max(quantum, share - share % quantum)
+
+
+def memory_in_use(devices) -> list[tuple[int, int]]:
+    """(bytes of live arrays, the host's RAM) per device: devices share the host's."""
+    import jax
+    import psutil
+    used = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
+    total = psutil.virtual_memory().total
+    return [(used.get(d, 0), total) for d in devices]
+
+
+def copied(tensor):
+    """`tensor` with each host array copied: the runner refills its buffers for the
+    next step while this one may run, and on CPU device_put may alias them."""
+    import jax
+    return jax.tree.map(_copy, tensor)
+
+
+def _copy(x):
+    import jax
+    import numpy as np
+    return np.array(x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)) if isinstance(
+        x, np.ndarray) else x
+
+
+def put_copies(tensor, sharding):
+    """`tensor` on the devices from copies of its host arrays (`copied`), which go
+    over with jit's own argument transfer (shard_args, jaxlib's): device_put's
+    Python path cost a quarter of a demo step."""
+    import jax
+    import numpy as np
+    from jax._src.lib import _jax
+    from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+    leaves, tree = jax.tree.flatten(tensor)
+    copies = [_copy(x) for x in leaves]
+    if isinstance(sharding, PartitionSpec) and not (mesh := jax.sharding.get_mesh()).empty:
+        sharding = NamedSharding(mesh, sharding)  # the mesh device_put reads a bare spec in
+    if isinstance(sharding, Sharding):
+        # Already there: device_put's answer, without its Python path. Equivalent
+        # counts: the runner asks P("data") of a P() array on a data axis of 1
+        # (78-101 us a decode step for the async token substitution).
+        if all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and x.committed and x.sharding.is_equivalent_to(sharding, x.ndim)
+               for x in leaves):
+            return tensor
+        if all(isinstance(x, np.ndarray) for x in copies):
+            n = len(copies)
+            reuse = _jax.ArrayCopySemantics.REUSE_INPUT  # the copy is ours alone
+            return jax.tree.unflatten(tree, _jax.shard_args(
+                [sharding] * n, [None] * n, [reuse] * n, copies, fallback=_put_each))
+    return jax.device_put(jax.tree.unflatten(tree, copies), sharding)
+
+
+def _put_each(shardings, _layouts, _semantics, arrays):
+    import jax
+    return [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
+
+
+def first_max(operand, *, axes, index_dtype):
+    """argmax as XLA:CPU vectorizes it: the max, then the least position holding it
+    (the first NaN where there is one), as argmax answers. Its (value, index) reduce
+    is a scalar loop: 1.07 ms over Gemma 3's 262k vocabulary against 0.1 ms."""
+    import jax.numpy as jnp
+    from jax import lax
+    axis, = axes
+    hit = operand == jnp.max(operand, axis=axis, keepdims=True)
+    if jnp.issubdtype(operand.dtype, jnp.floating):
+        nan = jnp.isnan(operand)
+        hit = jnp.where(jnp.any(nan, axis=axis, keepdims=True), nan, hit)
+    positions = lax.broadcasted_iota(index_dtype, operand.shape, axis)
+    return jnp.min(jnp.where(hit, positions, jnp.iinfo(index_dtype).max), axis=axis)
+
+
+def argmax_lowering():
+    """(argmax's primitive, `first_max` as its lowering rule)."""
+    from jax import lax
+    from jax.interpreters import mlir
+    return lax.argmax_p, mlir.lower_fun(first_max, multiple_results=False)

@@ -1,0 +1,255 @@
+"""The engine's start-up on a TPU slice that is not there: devices described by
+libtpu, every array a shape, every program compiled and none run.
+
+The devices are the slice's as libtpu describes it (jax.experimental.topologies),
+with no chip behind them (`slice_devices`). Every array the start-up would
+allocate (weights, KV cache, host inputs, precompilation's dummy tensors) is an
+abstract buffer (accounting.buffer). The model is built as the loader builds one
+whose weights it will load (`build_model`). Each program precompilation names is
+lowered and compiled by libtpu and kept (`compile_program`); a function that is
+no jit (the rejection sampler, EAGLE-3's drafter) is called as the warm-up pass
+calls it, with shapes (`warm_up`): every jit it calls compiles for the slice, as
+on a TPU, and answers shapes (`compiled_for_the_slice`). adapt.topology installs
+these in `tpu-models compile`'s process only.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import os
+import time
+
+from tpu_models.topology import costs
+from tpu_models.topology.accounting import (
+    DRAFT_WEIGHTS, KEEP_HLO_TEXT, LOWERED, PENDING, PROGRAMS, WEIGHTS, Program, buffer,
+    transient_bytes)
+
+_devices: list = []
+# The warm-up call under way (`calls_compile`): its task, mesh, what its outputs hold.
+WARMING: list = []
+
+
+def tracing() -> bool:
+    """Whether JAX is tracing a function (then arrays are its tracers, not ours)."""
+    from jax._src import core
+    return not core.trace_state_clean()
+
+
+def slice_devices() -> list:
+    """The devices libtpu describes for the slice (first use: vLLM also loads the
+    plugin in helper processes that never ask for devices)."""
+    if not _devices:
+        from jax.experimental import topologies
+
+        from tpu_models.host import compile_target
+        from tpu_models.topology.slices import topology
+
+        slice_ = topology(compile_target())
+        found = topologies.get_topology_desc(platform="tpu", topology_name=slice_.libtpu_name,
+                                             chips_per_host_bounds=slice_.host_chips).devices
+        _devices[:] = sorted(found, key=lambda d: d.id)
+    return _devices
+
+
+def warm_up_mesh():
+    """The mesh of the warm-up call under way, or None."""
+    return WARMING[1] if WARMING else None
+
+
+def build_model(model_class, vllm_config, rng, mesh, is_draft_model=False):
+    """As the loader builds a model whose weights it will load: the class under
+    nnx.eval_shape, Qwix applied to it the way the configuration asks, each weight an
+    abstract buffer where the loader puts it (its partition spec)."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.models.jax.utils.qwix import qwix_utils
+
+    if getattr(model_class, "_self_manages_sharding", False):
+        raise NotImplementedError(f"{model_class.__name__} builds its own sharded weights "
+                                  "(_self_manages_sharding): it cannot be built abstractly")
+    build = functools.partial(model_class, vllm_config, rng, mesh)
+    on_abstract = qwix_utils.apply_qwix_on_abstract_model(vllm_config)
+    if on_abstract:
+        build = qwix_utils.apply_qwix_quantization(vllm_config, build, rng, mesh,
+                                                   apply_to_abstract_model=True)
+    with jax.set_mesh(mesh):
+        model = nnx.eval_shape(build, graph_updates=False)
+    state = nnx.state(model)
+    specs = nnx.get_partition_spec(state)
+    holds = DRAFT_WEIGHTS if is_draft_model else WEIGHTS
+    placed = jax.tree.map(
+        lambda x, spec: buffer(x, NamedSharding(mesh, spec or PartitionSpec()), holds),
+        state, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    nnx.update(model, placed)
+    if on_abstract:
+        return model
+    # Qwix's quantization of the loaded model (a no-op without rules): its jit
+    # compiles for the slice, and the quantized weights are placed as it places them.
+    with calls_compile(Program("load > Qwix quantization", {}), mesh, holds):
+        return qwix_utils.apply_qwix_quantization(vllm_config, model, rng, mesh,
+                                                  apply_to_abstract_model=False)
+
+
+def dummy_tensor(mesh, shape, dtype, sharding=None):
+    """A precompilation input: an abstract buffer."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.utils import to_jax_dtype
+    sharding = sharding or NamedSharding(mesh, PartitionSpec(None))
+    return buffer(jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype)), sharding,
+                  "precompilation inputs")
+
+
+def compile_program(manager, name, fn, args, call_kwargs, warmup_handler, described):
+    """A program precompilation names (`described`: its signature's values), lowered
+    and compiled for the slice (on the manager's workers where it has them), kept
+    in PROGRAMS; a function that is no jit waits for the warm-up pass (`warm_up`)."""
+    import jax
+    from tpu_inference.runner.compilation_manager import _describe_signature
+    program = Program(name, _describe_signature(described))
+    PROGRAMS.append(program)
+    while isinstance(fn, functools.partial):  # as upstream: the jit's own static args
+        args, call_kwargs, fn = fn.args + args, {**fn.keywords, **call_kwargs}, fn.func
+    program.transient_input_bytes = transient_bytes(args, call_kwargs)
+    if not hasattr(fn, "lower"):  # its jits compile when the warm-up pass calls it
+        PROGRAMS.remove(program)
+        manager._warmup_tasks.append((program, fn, args, call_kwargs, warmup_handler))
+        return
+    mesh = manager.runner.mesh
+    began = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            lowered = fn.lower(*args, **call_kwargs)
+    except Exception as e:  # named in the report
+        program.error = f"lowering failed: {type(e).__name__}: {e}"
+        return
+    program.lowering_seconds = time.perf_counter() - began
+    key = (getattr(fn, "__qualname__", repr(fn)),
+           hashlib.sha256(lowered.as_text().encode()).hexdigest())
+    if key in LOWERED:
+        program.same_as = LOWERED[key]
+        return
+    LOWERED[key] = program
+    if manager._compile_executor is None:
+        _compile(program, lowered, mesh)
+    else:
+        PENDING.append(manager._compile_executor.submit(_compile, program, lowered, mesh))
+
+
+def _compile(program: Program, lowered, mesh) -> None:
+    """libtpu compiles `lowered`; its costs (or its error) and time go to `program`."""
+    import jax
+    began = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            program.costs = costs.of(lowered.compile(), KEEP_HLO_TEXT[0])
+    except Exception as e:
+        program.error = f"{type(e).__name__}: {e}"
+    program.seconds = time.perf_counter() - began
+
+
+def warm_up(manager) -> None:
+    """The manager's warm-up tasks called with shapes: each jit they call compiles
+    for the slice and returns shapes."""
+    tasks, manager._warmup_tasks = manager._warmup_tasks, []
+    for task, fn, args, call_kwargs, handler in tasks:
+        try:
+            with calls_compile(task, manager.runner.mesh):
+                handler(fn, args, call_kwargs) if handler else fn(*args, **call_kwargs)
+        except Exception as e:
+            if os.environ.get("TPU_MODELS_COMPILE_TRACEBACKS"):
+                import traceback
+                traceback.print_exc()
+            PROGRAMS.append(dataclasses.replace(
+                task, error=f"its warm-up call failed: {type(e).__name__}: {e}"))
+
+
+@contextlib.contextmanager
+def calls_compile(task: Program, mesh, holds: str | None = None):
+    """Calls of jitted functions with abstract arguments compile for the slice and
+    return abstract outputs (`compiled_for_the_slice`), as `task`'s programs. Under
+    the slice's abstract mesh only: arrays made eagerly are made on the host."""
+    import jax
+    WARMING[:] = [task, mesh, holds]
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            yield
+    finally:
+        WARMING.clear()
+
+
+def compiled_for_the_slice(executable, args) -> list | None:
+    """A compiled executable's call during a warm-up call with abstract arguments:
+    kept as the task's program, answered with abstract outputs. None: run it."""
+    import jax
+    if not WARMING or not any(isinstance(a, jax.ShapeDtypeStruct) for a in args):
+        return None
+    task, _, holds = WARMING
+    name = executable.xla_executable.hlo_modules()[0].name.removeprefix("jit_")
+    PROGRAMS.append(dataclasses.replace(task, name=f"{task.name} > {name}",
+                                        costs=costs.of(executable, KEEP_HLO_TEXT[0]),
+                                        warm_up=task.name,
+                                        transient_input_bytes=transient_bytes(args)))
+    return [buffer(aval, sharding, holds or _holds_like(aval, sharding, args))
+            for aval, sharding in zip(executable.out_avals, executable._out_shardings)]
+
+
+def _holds_like(aval, sharding, args) -> str:
+    """What an output holds: an input of its shape and placement (a donated KV cache,
+    updated) holds the same; anything else is the call's own output."""
+    for a in args:
+        if (getattr(a, "holds", None) and a.shape == aval.shape and a.dtype == aval.dtype
+                and a.sharding.is_equivalent_to(sharding, len(a.shape))):
+            return a.holds
+    return "warm-up outputs"
+
+
+class JaxEagerOnHost:
+    """jax, except that `set_mesh` of the slice's mesh sets only its abstract mesh: an
+    array created eagerly inside (jnp.ones) is made on the host and then placed, as
+    shapes, by device_array; on the slice's devices it could not be made at all."""
+
+    def __init__(self, jax):
+        self._jax = jax
+
+    def __getattr__(self, name):
+        return getattr(self._jax, name)
+
+    def set_mesh(self, mesh):
+        return self._jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+class EmbeddingAnswers:
+    """jax.numpy, except that `any` and `array_equal` of abstract values answer what
+    the draft's checkpoint says: whether it ships an embedding of its own."""
+
+    def __init__(self, real, own_embedding: bool):
+        self.real, self.own = real, own_embedding
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _shapes_only(self, *xs) -> bool:
+        import jax
+        return any(isinstance(x, jax.ShapeDtypeStruct) for x in xs)
+
+    def any(self, x, *args, **kwargs):
+        return self.own if self._shapes_only(x) else self.real.any(x, *args, **kwargs)
+
+    def array_equal(self, a, b, *args, **kwargs):
+        return False if self._shapes_only(a, b) else self.real.array_equal(a, b, *args, **kwargs)
+
+
+def ships_embedding(draft: str) -> bool:
+    """Whether a draft checkpoint holds an embedding (a directory of safetensors);
+    EAGLE-3 drafts usually do not, and borrow the target's."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    for file in sorted(Path(draft).glob("*.safetensors")) if Path(draft).is_dir() else ():
+        with safe_open(file, "np") as f:
+            if any("embed_tokens" in name for name in f.keys()):
+                return True
+    return False
