@@ -16,15 +16,16 @@ def register() -> None:
     from vllm.reasoning import ReasoningParserManager
 
     from tpu_models import adapt, registry, runtime
-    from tpu_models.adapt import guard, loading, request_checks
+    from tpu_models.adapt import guard, loading
     from tpu_models.attention import PortableAttentionBackend
+    from tpu_models.sampler import requests
 
     adapt.apply()
     # The seam's part in building and loading our models (the core imports no patch).
     if not runtime.SEAM.build_checks:
         runtime.SEAM.build_checks += [
             guard.require,  # features whose adaptation cannot apply here
-            lambda config, _model: request_checks.check_server_defaults(config)]
+            lambda config, _model: requests.check_server_defaults(config)]
     runtime.SEAM.cast_by_loader = loading.mark if loading.installed() else None
     for arch in registry.architectures():
         if arch.model is None or arch.hf_name in _MODEL_REGISTRY:
