@@ -41,6 +41,8 @@ OWN_OPTIONS = {
                   "frequency and repetition penalties: tok/s ratios (served)"),
     "tunix": ("tpu_models.benchmarks.tunix_rollouts", "Tunix's vLLM rollouts on our Gemma 3: "
               "LoRA sync in slots vs merged, rollout tok/s vs Tunix's sampler (in-process)"),
+    "multihost": ("tpu_models.benchmarks.multihost", "serving across local hosts (Ray) vs one "
+                  "process at the same tensor parallel size: start-up, tok/s, greedy agreement"),
     "quant": ("tpu_models.benchmarks.quant_quality", "quality (top-1, KL, greedy), weight bytes and decode "
                                           "speed of each quantization preset (model level)"),
 }

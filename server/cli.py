@@ -28,6 +28,7 @@ commands:
              penalties   the same load with and without penalties
              tunix       Tunix's vLLM rollouts on our Gemma 3 vs Tunix's own sampler
              quant       quality, weight bytes and speed of each quantization preset
+             multihost   serving across local hosts (Ray) vs one process: start-up, tok/s
 
 Each command takes --help.
 """

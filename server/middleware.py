@@ -69,12 +69,15 @@ def _log_ready(state) -> None:
 
 
 def _hosts() -> list[str]:
-    """Where the engine runs across hosts (tpu-inference's Ray executor): how many."""
+    """Where the engine runs across hosts (tpu-inference's Ray executor), or its
+    data-parallel replicas on local hosts (vLLM's Ray backend): how many."""
     from tpu_models import multihost
-    if not multihost.serving_across_hosts():
-        return []
     hosts = os.environ.get(multihost.HOSTS_ENV)
-    return [f"across {hosts} hosts (Ray)" if hosts else "across hosts (Ray)"]
+    if multihost.serving_across_hosts():
+        return [f"across {hosts} hosts (Ray)" if hosts else "across hosts (Ray)"]
+    if multihost.local_hosts():
+        return [f"replicas on {multihost.local_hosts()} local hosts (Ray)"]
+    return []
 
 
 def _quantization(config) -> list[str]:

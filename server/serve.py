@@ -130,22 +130,32 @@ def build_command(argv: list[str], env: dict) -> tuple[list[str], dict]:
 
 
 def local_hosts(hosts: int, platform: str | None, vllm_args: list[str], env: dict) -> None:
-    """--local-hosts: tpu-inference's Ray executor (TPU_MULTIHOST_BACKEND=ray) over local
-    hosts that tpu_models.server.vllm_main starts, the tensor-parallel devices split
-    evenly among them."""
+    """--local-hosts: local hosts (Ray nodes) that tpu_models.server.vllm_main starts, and
+    the engine across them: tpu-inference's Ray executor (TPU_MULTIHOST_BACKEND=ray) over
+    the tensor-parallel devices split evenly among the hosts, or with vLLM's
+    `--data-parallel-backend ray`, its replicas spread over the hosts, each on one."""
     from tpu_models import multihost
     if platform is None:
         raise ValueError("--local-hosts rehearses serving across hosts off-TPU; on a TPU "
                          "slice start Ray on every host instead (docs/multi-host.md)")
     tp = int(_value(vllm_args, "--tensor-parallel-size") or _value(vllm_args, "-tp") or 1)
-    devices = multihost.devices_per_host(tp, hosts)
+    if _value(vllm_args, "--data-parallel-backend") == "ray":
+        dp = int(_value(vllm_args, "--data-parallel-size") or _value(vllm_args, "-dp") or 1)
+        if dp % hosts:
+            raise ValueError(f"--data-parallel-size {dp} does not split evenly over "
+                             f"--local-hosts {hosts}: each host serves the same replicas")
+        devices = tp * (dp // hosts)
+        if not _given(vllm_args, "--data-parallel-size-local"):
+            vllm_args += ["--data-parallel-size-local", str(dp // hosts)]  # the head's share
+    else:
+        devices = multihost.devices_per_host(tp, hosts)
+        env[multihost.BACKEND_ENV] = multihost.BACKEND
     env[multihost.HOST_DEVICES_ENV] = str(devices)
+    env[multihost.LOCAL_HOSTS_ENV] = str(hosts)
+    env.setdefault("RAY_DEDUP_LOGS", "0")  # each host's own lines, not "repeated 2x"
     # Every host's own devices (its node sets them too): XLA:CPU's pool stays whole, as
     # for fake devices, whose collectives wait for each other.
     env["XLA_FLAGS"] = multihost.with_devices(env.get("XLA_FLAGS", ""), devices)
-    env[multihost.LOCAL_HOSTS_ENV] = str(hosts)
-    env[multihost.BACKEND_ENV] = multihost.BACKEND
-    env.setdefault("RAY_DEDUP_LOGS", "0")  # each host's own lines, not "repeated 2x"
 
 
 def vllm_arguments(model: str | None, args: argparse.Namespace,

@@ -21,11 +21,14 @@ from tests.tiny import Reference, make_gemma3, make_qwen3
 
 pytestmark = pytest.mark.e2e
 
-ACROSS_HOSTS = ("--tensor-parallel-size", "4", "--local-hosts", "2", "--dtype", "float32",
-                "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20),
-                "--served-model-name", "tiny",
-                # prompts up to 5 windows of Gemma 3's local layers, prefilled in chunks
-                "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+COMMON = ("--local-hosts", "2", "--dtype", "float32", "--max-model-len", "256",
+          "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny",
+          # prompts up to 5 windows of Gemma 3's local layers, prefilled in chunks
+          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+ACROSS_HOSTS = ("--tensor-parallel-size", "4", *COMMON)
+# vLLM's data-parallel replicas on Ray nodes: one a host, tensor parallel 2 inside
+REPLICAS = ("--tensor-parallel-size", "2", "--data-parallel-size", "2",
+            "--data-parallel-backend", "ray", *COMMON)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,7 @@ def servers(models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("multihost-logs")
     servers = {name: Server(directory, *ACROSS_HOSTS, log=logs / f"{name}.log")
                for name, directory in models.items()}
+    servers["qwen3 replicas"] = Server(models["qwen3"], *REPLICAS, log=logs / "replicas.log")
     with launched(servers):
         for server in servers.values():
             server.start()
@@ -57,7 +61,8 @@ def prompts() -> list[list[int]]:
 
 
 def test_both_architectures_across_two_local_hosts(servers, models):
-    for name, server in servers.items():
+    for name in ("qwen3", "gemma3"):
+        server = servers[name]
         log = server.output()
         assert "Force using RayDistributedExecutorV2" in log
         assert "across 2 hosts (Ray)" in log  # the ready line
@@ -68,9 +73,33 @@ def test_both_architectures_across_two_local_hosts(servers, models):
         if name == "gemma3":
             assert "num_kv_cache_groups=6" in log  # the hybrid KV cache, across hosts
         reference = Reference(models[name])
-        got = complete_all(server, prompts() * 2, max_tokens=6)  # 12 at once
-        for prompt, ids in zip(prompts() * 2, got):
+        got = complete_all(server, prompts(), max_tokens=6)  # all at once
+        for prompt, ids in zip(prompts(), got):
             assert ids == reference.greedy(prompt, 6), f"{name}: prompt of {len(prompt)}"
+
+
+def test_data_parallel_replicas_on_two_local_hosts(servers, models):
+    from tests.test_data_parallel import served_by_engine
+
+    server = servers["qwen3 replicas"]
+    assert "replicas on 2 local hosts (Ray)" in server.output()  # the ready line
+    reference = Reference(models["qwen3"])
+    got = complete_all(server, prompts() * 2, max_tokens=6)  # enough for both replicas
+    for prompt, ids in zip(prompts() * 2, got):
+        assert ids == reference.greedy(prompt, 6), f"prompt of {len(prompt)}"
+    by_engine = served_by_engine(server)  # both replicas, each on its own node, served
+    assert sorted(by_engine) == ["0", "1"] and min(by_engine.values()) > 0, by_engine
+    engines = set(re.findall(r"\(EngineCoreActor pid=(\d+)\)", server.output()))
+    assert len({node_address(int(pid)) for pid in engines}) == 2, engines
+
+
+def node_address(pid: int) -> str:
+    """The address of the Ray node whose raylet started process `pid`."""
+    for process in psutil.Process(pid).parents():
+        for arg in process.cmdline():
+            if arg.startswith("--node_ip_address="):
+                return arg.split("=", 1)[1]
+    raise AssertionError(f"process {pid} was not started by a raylet")
 
 
 def worker_pid(server, rank: int) -> int:

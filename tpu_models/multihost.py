@@ -127,7 +127,7 @@ def _keep(hosts: int, devices: int) -> None:
     try:
         for index in range(hosts):
             cluster.add_node(
-                node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False,
+                node_ip_address=f"127.0.0.{index + 1}", num_cpus=1, include_dashboard=False,
                 resources={"TPU": devices},
                 env_vars=host_env(os.environ, index, devices, hosts))
         print(json.dumps({"address": cluster.address}), flush=True)
