@@ -24,23 +24,26 @@ def _logger():
     return init_logger("tpu_models.adapt")
 
 
-def step_lowered_ahead_of_time() -> None:
-    import dataclasses
+upstream: dict = {}  # the functions the replacements below call
 
+
+def step_lowered_ahead_of_time() -> None:
     from tpu_inference.models.common import model_loader
 
-    original = model_loader.get_flax_model
-
-    def get_flax_model(vllm_config, rng, mesh, is_draft_model=False):
-        interface = original(vllm_config, rng, mesh, is_draft_model)
-        step = AheadOfTimeStep.wrap(interface.model_fn)
-        if step is None:
-            _logger().warning("tpu-models: the model step cannot be lowered ahead of time on "
-                              "this tpu-inference; each bucket compiles in the warm-up pass")
-            return interface
-        return dataclasses.replace(interface, model_fn=step)
-
+    upstream["get_flax_model"] = model_loader.get_flax_model
     model_loader.get_flax_model = get_flax_model
+
+
+def get_flax_model(vllm_config, rng, mesh, is_draft_model=False):
+    """model_loader.get_flax_model: its step with the `lower` the precompiler looks for."""
+    import dataclasses
+    interface = upstream["get_flax_model"](vllm_config, rng, mesh, is_draft_model)
+    step = AheadOfTimeStep.wrap(interface.model_fn)
+    if step is None:
+        _logger().warning("tpu-models: the model step cannot be lowered ahead of time on "
+                          "this tpu-inference; each bucket compiles in the warm-up pass")
+        return interface
+    return dataclasses.replace(interface, model_fn=step)
 
 
 def compiled_functions_not_run() -> None:
@@ -50,24 +53,28 @@ def compiled_functions_not_run() -> None:
     # tokens for a 0.6B model on CPU), the sampler at 64 rows of a 152k vocabulary.
     from tpu_inference.runner.compilation_manager import CompilationManager
 
-    run, flush = CompilationManager._run_compilation, CompilationManager._flush_compilations
-
-    def _run_compilation(self, name, fn, *args, **kwargs):
-        tasks, futures = len(self._warmup_tasks), len(self._compile_futures)
-        run(self, name, fn, *args, **kwargs)
-        if len(self._warmup_tasks) > tasks and len(self._compile_futures) > futures:
-            # compiling on a worker
-            state.of(self.runner).compiled_ahead.add(id(self._warmup_tasks[-1]))
-
-    def _flush_compilations(self):
-        ahead = state.of(self.runner).compiled_ahead
-        tasks = self._warmup_tasks
-        self._warmup_tasks = [task for task in tasks if id(task) not in ahead]
-        ahead.clear()
-        return flush(self)  # waits for the workers' compilations, raising their errors
-
+    upstream.update(run=CompilationManager._run_compilation,
+                    flush=CompilationManager._flush_compilations)
     CompilationManager._run_compilation = _run_compilation
     CompilationManager._flush_compilations = _flush_compilations
+
+
+def _run_compilation(self, name, fn, *args, **kwargs):
+    """CompilationManager._run_compilation, noting a task compiling on a worker."""
+    tasks, futures = len(self._warmup_tasks), len(self._compile_futures)
+    upstream["run"](self, name, fn, *args, **kwargs)
+    if len(self._warmup_tasks) > tasks and len(self._compile_futures) > futures:
+        state.of(self.runner).compiled_ahead.add(id(self._warmup_tasks[-1]))
+
+
+def _flush_compilations(self):
+    """CompilationManager._flush_compilations: warm-up calls of functions compiled
+    ahead left out."""
+    ahead = state.of(self.runner).compiled_ahead
+    tasks = self._warmup_tasks
+    self._warmup_tasks = [task for task in tasks if id(task) not in ahead]
+    ahead.clear()
+    return upstream["flush"](self)  # waits for the workers' compilations, raising their errors
 
 
 def _deferring(runner) -> bool:
@@ -78,43 +85,48 @@ def _deferring(runner) -> bool:
 def buckets_after_ready() -> None:
     from tpu_inference.runner.compilation_manager import CompilationManager
 
-    capture = CompilationManager.capture_model
-    backbone = CompilationManager._precompile_backbone_text_only
-
-    def _precompile_backbone_text_only(self):
-        runner = self.runner
-        plan = state.of(runner).ready_buckets
-        if plan is None:
-            return backbone(self)
-        every = runner.num_tokens_paddings
-        runner.num_tokens_paddings = plan
-        try:
-            return backbone(self)
-        finally:
-            runner.num_tokens_paddings = every
-
-    def capture_model(self):
-        runner = self.runner
-        if not _deferring(runner):
-            return capture(self)
-        every = list(runner.num_tokens_paddings)
-        seam = state.of(runner)
-        seam.ready_buckets, seam.overlapped = ready_buckets(every), True  # compiles_overlapped
-        try:
-            capture(self)  # its flushes wait for nothing; its end waits for the workers
-        finally:
-            seam.ready_buckets, seam.overlapped = None, False
-        self._flush_compilations()  # raises the workers' errors, runs the warm-up calls
-        rest = [b for b in every if b not in ready_buckets(every)]
-        if rest:
-            runner.num_tokens_paddings_per_dp = ready_buckets(every)
-            _logger().info("tpu-models: token buckets %s compiled; %s compile in the background "
-                           "(until then a step pads to the next compiled one)",
-                           ready_buckets(every), rest)
-            seam.background = compile_in_background(runner, rest)
-
+    upstream.update(capture=CompilationManager.capture_model,
+                    backbone=CompilationManager._precompile_backbone_text_only)
     CompilationManager._precompile_backbone_text_only = _precompile_backbone_text_only
     CompilationManager.capture_model = capture_model
+
+
+def _precompile_backbone_text_only(self):
+    """CompilationManager._precompile_backbone_text_only: while capture_model runs
+    off-TPU, the buckets compiled before ready only."""
+    runner = self.runner
+    plan = state.of(runner).ready_buckets
+    if plan is None:
+        return upstream["backbone"](self)
+    every = runner.num_tokens_paddings
+    runner.num_tokens_paddings = plan
+    try:
+        return upstream["backbone"](self)
+    finally:
+        runner.num_tokens_paddings = every
+
+
+def capture_model(self):
+    """CompilationManager.capture_model: off-TPU, the smallest and largest buckets
+    before ready, the others in the background (precompilation.compile_in_background)."""
+    runner = self.runner
+    if not _deferring(runner):
+        return upstream["capture"](self)
+    every = list(runner.num_tokens_paddings)
+    seam = state.of(runner)
+    seam.ready_buckets, seam.overlapped = ready_buckets(every), True  # compiles_overlapped
+    try:
+        upstream["capture"](self)  # its flushes wait for nothing; its end waits for the workers
+    finally:
+        seam.ready_buckets, seam.overlapped = None, False
+    self._flush_compilations()  # raises the workers' errors, runs the warm-up calls
+    rest = [b for b in every if b not in ready_buckets(every)]
+    if rest:
+        runner.num_tokens_paddings_per_dp = ready_buckets(every)
+        _logger().info("tpu-models: token buckets %s compiled; %s compile in the background "
+                       "(until then a step pads to the next compiled one)",
+                       ready_buckets(every), rest)
+        seam.background = compile_in_background(runner, rest)
 
 
 def compiles_overlapped() -> None:
@@ -127,25 +139,34 @@ def compiles_overlapped() -> None:
     # every group while the workers compile, and capture_model's end waits for all.
     from tpu_inference.runner.compilation_manager import CompilationManager
 
-    sampling = CompilationManager._precompile_sampling
-    gather = CompilationManager._precompile_gather_logprobs
-    flush = CompilationManager._flush_compilations
+    upstream.update(sampling=CompilationManager._precompile_sampling,
+                    gather=CompilationManager._precompile_gather_logprobs,
+                    flush_when_not_overlapped=CompilationManager._flush_compilations)
+    CompilationManager._precompile_sampling = _precompile_sampling
+    CompilationManager._precompile_gather_logprobs = _precompile_gather_logprobs
+    CompilationManager._flush_compilations = _flush_unless_overlapped
 
-    def deferred(original):
-        def precompile(self):
-            if _deferring(self.runner) and not self.runner.kv_caches:
-                return None  # capture_model precompiles it (its flag stays unset)
-            return original(self)
-        return precompile
 
-    def _flush_compilations(self):
-        if state.of(self.runner).overlapped:
-            return None
-        return flush(self)
+def _after_capture(self) -> bool:
+    """Whether capture_model precompiles this later (its flag stays unset)."""
+    return _deferring(self.runner) and not self.runner.kv_caches
 
-    CompilationManager._precompile_sampling = deferred(sampling)
-    CompilationManager._precompile_gather_logprobs = deferred(gather)
-    CompilationManager._flush_compilations = _flush_compilations
+
+def _precompile_sampling(self):
+    """CompilationManager._precompile_sampling, off-TPU after capture_model."""
+    return None if _after_capture(self) else upstream["sampling"](self)
+
+
+def _precompile_gather_logprobs(self):
+    """CompilationManager._precompile_gather_logprobs, off-TPU after capture_model."""
+    return None if _after_capture(self) else upstream["gather"](self)
+
+
+def _flush_unless_overlapped(self):
+    """CompilationManager._flush_compilations: waits for nothing inside capture_model."""
+    if state.of(self.runner).overlapped:
+        return None
+    return upstream["flush_when_not_overlapped"](self)
 
 
 def unfused_programs_at_first_use() -> None:
@@ -154,17 +175,17 @@ def unfused_programs_at_first_use() -> None:
     # demo's 370) run only in the steps the fused one leaves them (logprobs, penalties).
     from tpu_inference.runner.compilation_manager import CompilationManager
 
-    from tpu_models.adapt import spec_fusion
-
-    original = CompilationManager._precompile_speculative_decoding
-
-    def _precompile_speculative_decoding(self):
-        if not spec_fusion.fuses(self.runner):
-            return original(self)
-        _logger().info("tpu-models: EAGLE-3's unfused programs (for steps with logprobs or "
-                       "penalties) compile when a step first needs them")
-
+    upstream["speculative"] = CompilationManager._precompile_speculative_decoding
     CompilationManager._precompile_speculative_decoding = _precompile_speculative_decoding
+
+
+def _precompile_speculative_decoding(self):
+    """CompilationManager._precompile_speculative_decoding: not where steps fuse."""
+    from tpu_models.adapt import spec_fusion
+    if not spec_fusion.fuses(self.runner):
+        return upstream["speculative"](self)
+    _logger().info("tpu-models: EAGLE-3's unfused programs (for steps with logprobs or "
+                   "penalties) compile when a step first needs them")
 
 
 def pallas_keys_hashed_by_their_trees() -> None:
