@@ -144,7 +144,7 @@ ATTENTION_MODES = {
     "rpa-interpret": "tpu-inference's RPA backend, its Pallas kernel interpreted",
 }
 # rpa-interpret adapts the private callbacks of this JAX's Pallas TPU interpreter
-# (tpu_models/adapt/rpa_interpret.py).
+# (tpu_models/kernels/rpa_interpret.py).
 INTERPRETER_JAX = "0.11.2"
 
 
