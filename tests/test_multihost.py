@@ -17,7 +17,7 @@ import requests
 
 from tpu_models.harness.serve_process import Server, launched
 from tests.test_serve_e2e import complete_all
-from tests.tiny import Reference, make_gemma3, make_qwen3
+from tests.tiny import Reference, make_gemma3, make_lora, make_qwen3
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
     # Four query heads, one KV head: each host's two devices hold two query heads, and
     # the KV head is repeated on all four.
-    return {"qwen3": make_qwen3(root / "qwen3", num_heads=4, num_kv_heads=1),
+    qwen3 = make_qwen3(root / "qwen3", num_heads=4, num_kv_heads=1)
+    return {"qwen3": qwen3, "adapter": make_lora(qwen3, root / "adapter", r=4, seed=1),
             "gemma3": make_gemma3(root / "gemma3", num_heads=4, num_kv_heads=1,
                                   sliding_window=16)}
 
@@ -44,8 +45,11 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("multihost-logs")
-    servers = {name: Server(directory, *ACROSS_HOSTS, log=logs / f"{name}.log")
-               for name, directory in models.items()}
+    # Qwen3 with an adapter in LoRA slots, chosen per request
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+            f"adapter={models['adapter']}")
+    servers = {"qwen3": Server(models["qwen3"], *ACROSS_HOSTS, *lora, log=logs / "qwen3.log"),
+               "gemma3": Server(models["gemma3"], *ACROSS_HOSTS, log=logs / "gemma3.log")}
     servers["qwen3 replicas"] = Server(models["qwen3"], *REPLICAS, log=logs / "replicas.log")
     with launched(servers):
         for server in servers.values():
@@ -76,6 +80,12 @@ def test_both_architectures_across_two_local_hosts(servers, models):
         got = complete_all(server, prompts(), max_tokens=6)  # all at once
         for prompt, ids in zip(prompts(), got):
             assert ids == reference.greedy(prompt, 6), f"{name}: prompt of {len(prompt)}"
+    adapted = Reference(models["qwen3"], adapter=models["adapter"])
+    for prompt in prompts()[:3]:
+        choice = servers["qwen3"].client().completions.create(
+            model="adapter", prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+        assert choice.token_ids == adapted.greedy(prompt, 6), f"LoRA slot: {len(prompt)} tokens"
 
 
 def test_data_parallel_replicas_on_two_local_hosts(servers, models):
