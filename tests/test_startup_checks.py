@@ -77,3 +77,22 @@ def test_an_adapter_for_another_model_is_refused_against_the_base_checkpoint(qwe
     assert status != 0 and seconds < 60
     assert last.startswith(f"tpu-models serve: --lora: LoRA adapter {adapter}: ")
     assert "adapter trained for another model?" in last
+
+
+def test_local_hosts_that_do_not_split_the_devices():
+    status, last, _ = serve("--tensor-parallel-size", "3", "--local-hosts", "2")
+    assert status != 0
+    assert last == ("tpu-models serve: --tensor-parallel-size 3 does not split evenly over "
+                    "--local-hosts 2: each host holds the same number of devices")
+
+
+def test_local_hosts_choose_the_executor_or_the_replicas():
+    from tpu_models.server.serve import build_command
+
+    command, env = build_command(["-tp", "4", "--local-hosts", "2"], {})
+    assert env["TPU_MULTIHOST_BACKEND"] == "ray" and env["TPU_MODELS_HOST_DEVICES"] == "2"
+    command, env = build_command(["-tp", "2", "--data-parallel-size", "4",
+                                  "--data-parallel-backend", "ray", "--local-hosts", "2"], {})
+    # vLLM's replicas, two a host: no engine across hosts
+    assert "TPU_MULTIHOST_BACKEND" not in env and env["TPU_MODELS_HOST_DEVICES"] == "4"
+    assert command[command.index("--data-parallel-size-local") + 1] == "2"

@@ -30,9 +30,6 @@ LOCAL_HOSTS_ENV, HOST_DEVICES_ENV = "TPU_MODELS_LOCAL_HOSTS", "TPU_MODELS_HOST_D
 # Where the engine writes which host was lost, for the API server's errors and exit.
 LOST_ENV = "TPU_MODELS_LOST_HOST_FILE"
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
-# Ray's TPU support answers a node's slice from these, else from the cloud metadata
-# server, which must never be asked from a machine that is not a TPU VM.
-RAY_TPU_IDENTITY = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "TPU_WORKER_ID", "TPU_TOPOLOGY")
 # Ray elsewhere resolves "127.0.0.1" to this machine's outward address; with its
 # cluster support off it keeps every node on loopback, which local hosts are.
 RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -62,8 +59,9 @@ def with_devices(xla_flags: str, devices: int) -> str:
 
 def host_env(base: dict, index: int, devices: int, hosts: int) -> dict:
     """Local host `index`'s environment, for its Ray node and the workers it starts:
-    `devices` CPU devices, and a TPU identity Ray reads instead of asking a metadata
-    server."""
+    `devices` CPU devices, and the TPU identity Ray's TPU support reads (type, name,
+    worker, topology), else it asks the cloud metadata server, which must never be
+    asked from a machine that is not a TPU VM."""
     return {
         "XLA_FLAGS": with_devices(base.get("XLA_FLAGS", ""), devices),
         "TPU_ACCELERATOR_TYPE": base.get("TPU_ACCELERATOR_TYPE", "v6e-1"),
