@@ -58,11 +58,14 @@ originals: dict = {}  # upstream's functions the replacements below call
 
 
 def prepare_inputs(self, scheduler_output):
-    """TPUModelRunner._prepare_inputs, its step noted for from_input_batch."""
+    """TPUModelRunner._prepare_inputs, its step and the requests asking for what the
+    extended sampler adds noted for from_input_batch."""
     seam = state.of(self)
     spec = self.speculative_config
     seam.step = state.Step(scheduler_output.num_scheduled_tokens, self.requests,
                            spec.num_speculative_tokens if spec else 0)
+    seam.wanting.update(new.req_id for new in scheduler_output.scheduled_new_reqs
+                        if extended_metadata.asks_for_extras(new.sampling_params))
     with state.preparing(seam):
         return originals["prepare"](self, scheduler_output)
 
@@ -89,7 +92,7 @@ def from_input_batch(cls, mesh, input_batch, padded_num_reqs, req_indices_dp, sh
     if seam is None or seam.step is None:  # precompilation's dummy batches
         return metadata
     return extended_metadata.for_step(metadata, input_batch, padded_num_reqs, req_indices_dp,
-                                      sharding, seam.step, seam.asks_for_extras)
+                                      sharding, seam.step, seam.wanting)
 
 
 def sample(rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):

@@ -37,9 +37,10 @@ class SeamState:
     that writes it (adapt.MODULE.function) and those that read it."""
     # sampling._prepare_inputs -> sampling.from_input_batch: the step under way.
     step: Step | None = None
-    # sampling.from_input_batch: request id -> whether it asks for something the
-    # extended sampler adds (sampler.metadata.asks_for_extras), for live requests.
-    asks_for_extras: dict[str, bool] = dataclasses.field(default_factory=dict)
+    # sampling.prepare_inputs -> sampling.from_input_batch: the live requests that ask
+    # for something the extended sampler adds (sampler.metadata.asks_for_extras),
+    # noted when first scheduled.
+    wanting: set[str] = dataclasses.field(default_factory=set)
     # structured_output.sample_tokens -> structured_output.prepare_structured_decoding_input:
     # request id -> its draft tokens this step (the runner drops the scheduler
     # output before the grammar's rows are laid out).

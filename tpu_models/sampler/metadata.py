@@ -33,27 +33,21 @@ def _counted(params) -> bool:
     return any(ADDED[name](params) for name in COUNTED)
 
 
-def for_step(metadata, input_batch, n, req_indices_dp, sharding, step, asks: dict[str, bool]):
+def for_step(metadata, input_batch, n, req_indices_dp, sharding, step, wanting: set[str]):
     """tpu-inference's `metadata`, or ours when a request of the step asks for
     something we add. `step`: its tokens scheduled, requests and drafts
-    (adapt.state.Step); `asks`: request id -> asks_for_extras, remembered here for
-    the live requests."""
-    requests, ids = step.requests, input_batch.req_ids
-    wanting = False
-    for indices in req_indices_dp.values():
-        for index in indices:
-            if (req_id := ids[index]) not in asks:
-                asks[req_id] = asks_for_extras(requests[req_id].sampling_params)
-            wanting = wanting or asks[req_id]
-    if len(asks) > 2 * len(requests):  # finished requests forgotten now and then
-        for req_id in [r for r in asks if r not in requests]:
-            del asks[req_id]
-    if not wanting:
+    (adapt.state.Step); `wanting`: the live requests that ask (asks_for_extras),
+    pruned here to the runner's requests."""
+    if not wanting:  # a step without any costs this test
         return metadata
+    requests, ids = step.requests, input_batch.req_ids
+    wanting.intersection_update(requests)
     per_rank = n // len(req_indices_dp)
     rows = [(row, index, requests[ids[index]], ids[index])
             for rank, indices in req_indices_dp.items()
             for row, index in enumerate(indices, start=rank * per_rank)]
+    if not any(req_id in wanting for *_, req_id in rows):
+        return metadata
     counted = [(row, index, request, req_id) for row, index, request, req_id in rows
                if request.sampling_params is not None and _counted(request.sampling_params)]
     return extended(metadata, input_batch, n, sharding, rows, counted, step)
