@@ -101,6 +101,27 @@ def engine_stops_when_a_host_is_lost() -> None:
     RayDistributedExecutorV2.register_failure_callback = register_failure_callback
 
 
+def every_host_caches_its_programs() -> None:
+    # JAX writes the persistent compilation cache from its first process only, and
+    # another process's cache keys differ from the first's: every other host compiled
+    # every program at every start. Off-TPU the local hosts share one disk, and each
+    # writes entries under keys of its own.
+    from jax._src import compilation_cache, compiler, config, distributed
+
+    from tpu_models import multihost
+
+    original = compiler._cache_write
+
+    def _cache_write(cache_key, compile_time_secs, module_name, backend, executable):
+        if (not multihost.serving_across_hosts() or distributed.global_state.process_id == 0
+                or compile_time_secs < config.persistent_cache_min_compile_time_secs.value):
+            return original(cache_key, compile_time_secs, module_name, backend, executable)
+        compilation_cache.put_executable_and_time(
+            cache_key, module_name, executable, backend, int(compile_time_secs))
+
+    compiler._cache_write = _cache_write
+
+
 PATCHES = [
     Patch("a Ray worker joins the other hosts' JAX processes", ACROSS_HOSTS, (
           Target("tpu_inference.worker.tpu_worker.TPUWorker.__init__",
@@ -128,4 +149,11 @@ PATCHES = [
           "a host's worker killed mid-generation left the server healthy and its requests "
           "waiting forever", "tests/test_multihost.py::test_a_lost_host_stops_the_server",
           engine_stops_when_a_host_is_lost, platform=EVERYWHERE),
+    Patch("every local host writes its own compiled programs to the cache", ACROSS_HOSTS, (
+          Target("jax._src.compiler._cache_write",
+                 "cache_key compile_time_secs module_name backend executable"), ),
+          "every host but the first compiled every program at every start (JAX caches the "
+          "first process's programs only)",
+          "tests/test_multihost.py::test_both_architectures_across_two_local_hosts",
+          every_host_caches_its_programs, platform=OFF_TPU, speed="tpu-models bench multihost"),
 ]
