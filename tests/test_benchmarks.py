@@ -21,7 +21,7 @@ def test_bench_is_reached_through_its_entry_point(capsys):
     help_text = capsys.readouterr().out
     assert exit_.value.code == 0 and (
         "{serve,compare,step,kv-cache,startup,spec,spec-calls,lora,real-scale,ab,compile,penalties,tunix,"
-        "quant}" in help_text)
+        "multihost,quant}" in help_text)
 
 
 def test_bench_serve_against_a_running_server(demo_server, tmp_path):
