@@ -171,8 +171,11 @@ def lost_message(env=os.environ) -> str | None:
 def start_local_hosts(env=os.environ) -> LocalHosts | None:
     """The local hosts `tpu-models serve --local-hosts` asked for, started (None: none)."""
     if serving_across_hosts(env) and not env.get(LOST_ENV):
+        import atexit
         import tempfile
-        env[LOST_ENV] = tempfile.mkstemp(prefix="tpu-models-lost-host-")[1]
+        fd, env[LOST_ENV] = tempfile.mkstemp(prefix="tpu-models-lost-host-")
+        os.close(fd)
+        atexit.register(os.unlink, env[LOST_ENV])  # after the server has read it
     if not local_hosts(env):
         return None
     hosts = LocalHosts(local_hosts(env), int(env[HOST_DEVICES_ENV]))

@@ -49,17 +49,15 @@ def weights_staged_on_this_hosts_cpu() -> None:
     # The loader stages each weight on "the CPU" before sharding it; on a TPU host
     # that backend is this process's alone, but off-TPU across hosts the CPU is the
     # joined one and its first device belongs to the first host.
+    import functools
+
     import jax
     from jax.sharding import Mesh
     from tpu_inference.layers.common import utils
 
-    mesh = None
-
+    @functools.cache
     def cpu_mesh():
-        nonlocal mesh
-        if mesh is None:
-            mesh = Mesh(jax.local_devices(backend="cpu")[:1], ("cpu", ))
-        return mesh
+        return Mesh(jax.local_devices(backend="cpu")[:1], ("cpu", ))
 
     utils.cpu_mesh = cpu_mesh
 
