@@ -109,15 +109,19 @@ def measure(args) -> dict:
             "base_tok_s": statistics.median(r["output_throughput"] for r in theirs),
             "this_tpot_ms": statistics.median(r["median_tpot_ms"] for r in mine),
             "base_tpot_ms": statistics.median(r["median_tpot_ms"] for r in theirs),
-            "ratio": statistics.median(a["output_throughput"] / b["output_throughput"]
-                                       for a, b in zip(mine, theirs)),
-            "round_ratios": [a["output_throughput"] / b["output_throughput"]
-                             for a, b in zip(mine, theirs)],
+            "ratio": statistics.median(ratios) if (ratios := _ratios(mine, theirs)) else None,
+            "round_ratios": ratios,
             "failed": sum(r["failed"] for r in mine + theirs)})
     return {"benchmark": "ab", "base": args.base, "base_tree": str(base_path),
             "model": args.shape or args.model or "compare",
             "server_args": args.server_args, "rounds": args.rounds, "input_len": args.input_len,
             "output_len": args.output_len, "logs": str(work), "rows": rows}
+
+
+def _ratios(mine: list[dict], theirs: list[dict]) -> list[float]:
+    """This tree / base, a round each, of the rounds in which both sides served."""
+    return [a["output_throughput"] / b["output_throughput"] for a, b in zip(mine, theirs)
+            if a["output_throughput"] and b["output_throughput"]]
 
 
 @contextlib.contextmanager
@@ -140,7 +144,8 @@ def report(result: dict) -> None:
         table.add_column(column, justify="right")
     for r in result["rows"]:
         table.add_row(str(r["concurrency"]), f"{r['this_tok_s']:.1f}", f"{r['base_tok_s']:.1f}",
-                      f"{r['ratio']:.3f}", " ".join(f"{x:.2f}" for x in r["round_ratios"]),
+                      "no round served" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                      " ".join(f"{x:.2f}" for x in r["round_ratios"]),
                       f"{r['this_tpot_ms']:.2f} / {r['base_tpot_ms']:.2f}", str(r["failed"]))
     Console(width=150).print(table)
 

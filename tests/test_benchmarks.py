@@ -69,7 +69,7 @@ def test_bench_ab_smoke(qwen3, tmp_path):
                       "--rounds", "1", "--num-prompts", "2", "--input-len", "16",
                       "--output-len", "4", "--out", str(tmp_path / "ab.json")])
     (row, ) = result["rows"]
-    assert row["failed"] == 0 and row["this_tok_s"] > 0 and row["base_tok_s"] > 0
+    assert row["failed"] == 0 and row["this_tok_s"] > 0 and row["base_tok_s"] > 0, result["logs"]
     assert len(row["round_ratios"]) == 1
     base = Path(result["base_tree"])
     assert (base / "tpu_models" / "loaders" / "hf.py").exists() and not (base / "loaders").exists()

@@ -40,8 +40,10 @@ def test_two_ranks_give_the_tokens_of_one_and_share_the_requests(tmp_path):
         "gemma3 dp2 tp2": Server(gemma3, *common, "--tensor-parallel-size", "2",
                                  "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
                                  log=tmp_path / "gemma3.log", env=FOUR_DEVICES)}
-    with launched(servers):
-        for name, server in servers.items():
+    for name, server in servers.items():
+        # One after the other: each is five processes of about 1 GB (two API servers,
+        # two engines, the coordinator), and the suite's other worker runs servers too.
+        with launched({name: server}):
             server.start()
             if "tp2" in name:  # each rank's own mesh: two devices for the model
                 assert "Mesh('data': 1, 'model': 2" in server.output()

@@ -33,6 +33,10 @@ DEVICES_FLAG = "--xla_force_host_platform_device_count"
 # Ray elsewhere resolves "127.0.0.1" to this machine's outward address; with its
 # cluster support off it keeps every node on loopback, which local hosts are.
 RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray's memory monitor kills a worker when the machine's memory is 95% used: local
+# hosts share one machine with everything else on it, whose memory is not theirs
+# to answer for (the kernel's OOM killer still guards the machine).
+LOCAL_RAY = {"RAY_memory_monitor_refresh_ms": "0"}
 
 
 def serving_across_hosts(env=os.environ) -> bool:
@@ -121,6 +125,7 @@ def _keep(hosts: int, devices: int) -> None:
 
     # The server's process group is stopped with SIGTERM: the nodes are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    os.environ.update(LOCAL_RAY)  # the nodes' processes inherit it
     cluster = Cluster(shutdown_at_exit=True)
     try:
         for index in range(hosts):

@@ -126,18 +126,18 @@ PATCHES = [
                  "self vllm_config local_rank rank distributed_init_method is_driver_worker "
                  "devices ip prev_worker_ip"), ),
           "each host's worker saw only its own CPU devices: no mesh over the hosts",
-          "tests/test_multihost.py::test_both_architectures_across_two_local_hosts",
+          "tests/test_multihost.py::test_gemma3_across_two_local_hosts",
           worker_joins_jax_processes, platform=OFF_TPU),
     Patch("hosts ordered by JAX process where devices have no coordinates", ACROSS_HOSTS, (
           Target("tpu_inference.worker.tpu_worker.get_device_topology_order_id",
                  "local_devices global_devices"), ),
           "a worker's start-up ended in an AttributeError: CPU devices have no `coords`",
-          "tests/test_multihost.py::test_both_architectures_across_two_local_hosts",
+          "tests/test_multihost.py::test_gemma3_across_two_local_hosts",
           hosts_ordered_by_process, platform=OFF_TPU),
     Patch("weights staged on this host's own CPU device", ACROSS_HOSTS, (
           Target("tpu_inference.layers.common.utils.cpu_mesh", ""), ),
           "every host but the first failed to load a weight: 'cross-host reshard'",
-          "tests/test_multihost.py::test_both_architectures_across_two_local_hosts",
+          "tests/test_multihost.py::test_gemma3_across_two_local_hosts",
           weights_staged_on_this_hosts_cpu, platform=OFF_TPU),
     Patch("the engine stops when a host is lost", ACROSS_HOSTS, (
           Target("tpu_inference.executors.ray_distributed_executor_v2.RayDistributedExecutorV2"
@@ -152,6 +152,6 @@ PATCHES = [
                  "cache_key compile_time_secs module_name backend executable"), ),
           "every host but the first compiled every program at every start (JAX caches the "
           "first process's programs only)",
-          "tests/test_multihost.py::test_both_architectures_across_two_local_hosts",
+          "tests/test_multihost.py::test_gemma3_across_two_local_hosts",
           every_host_caches_its_programs, platform=OFF_TPU, speed="tpu-models bench multihost"),
 ]
