@@ -99,6 +99,7 @@ def check_across_hosts(server, model) -> None:
     got = complete_all(server, prompts(), max_tokens=6)  # all at once
     for prompt, ids in zip(prompts(), got):
         assert ids == reference.greedy(prompt, 6), f"prompt of {len(prompt)}"
+    assert "[Gloo]" not in server.output()  # gloo's lines at each device's first collective
 
 
 def test_gemma3_across_two_local_hosts(models, tmp_path):

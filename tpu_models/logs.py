@@ -100,15 +100,15 @@ class _EngineStoppedBySignal(logging.Filter):
         return type(error).__name__ != "EngineDeadError"
 
 
-# Printed by torch's gloo groups from C++ for each group vLLM's distributed start-up makes
-# (seven in a one-chip engine), whatever the log level: nothing a user can act on.
+# Printed by gloo from C++ for each group vLLM's distributed start-up makes (seven in a
+# one-chip engine), and across local hosts by each JAX device's first collective,
+# whatever the log level: nothing a user can act on.
 GLOO_CONNECTED = b"[Gloo] Rank "
 
 
-@contextlib.contextmanager
-def stdout_without(prefix: bytes = GLOO_CONNECTED):
-    """This process's standard output, at the file descriptor (C++ writes there too),
-    without the lines that start with `prefix`, while the block runs."""
+def _filter_stdout(prefix: bytes):
+    """Drops the lines of this process's standard output that start with `prefix`, at
+    the file descriptor (C++ writes there too); returns the function that stops it."""
     sys.stdout.flush()
     kept = os.dup(1)
     read, write = os.pipe()
@@ -123,13 +123,30 @@ def stdout_without(prefix: bytes = GLOO_CONNECTED):
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
-    try:
-        yield
-    finally:
+
+    def stop():
         sys.stdout.flush()
         os.dup2(kept, 1)  # the pipe's last writer closed: the pump reads to its end
         thread.join()
         os.close(kept)
+    return stop
+
+
+@contextlib.contextmanager
+def stdout_without(prefix: bytes = GLOO_CONNECTED):
+    """This process's standard output without the lines that start with `prefix`,
+    while the block runs."""
+    stop = _filter_stdout(prefix)
+    try:
+        yield
+    finally:
+        stop()
+
+
+def stdout_always_without(prefix: bytes = GLOO_CONNECTED) -> None:
+    """This process's standard output without the lines that start with `prefix`,
+    from now on."""
+    _filter_stdout(prefix)
 
 
 class _KvCacheOnThisHost(logging.Filter):

@@ -18,13 +18,14 @@ def worker_joins_jax_processes() -> None:
     # the tensor-parallel size would not exist.
     from tpu_inference.worker.tpu_worker import TPUWorker
 
-    from tpu_models import multihost
+    from tpu_models import logs, multihost
 
     original = TPUWorker.__init__
 
     def __init__(self, vllm_config, local_rank, rank, *args, **kwargs):
         if multihost.serving_across_hosts():
             multihost.join_jax_processes(rank)
+            logs.stdout_always_without(logs.GLOO_CONNECTED)  # each device's first collective
         original(self, vllm_config, local_rank, rank, *args, **kwargs)
 
     TPUWorker.__init__ = __init__
