@@ -167,9 +167,9 @@ _TRIMMED = [0.0]
 
 
 def _return_freed_memory(every: float = 5.0) -> None:
-    """What libtpu freed after compiles goes back to the system, every few seconds:
-    glibc keeps it in each compiling thread's arena otherwise (a gigabyte over 158
-    programs), and trimming after each compile cost 10 s of 160."""
+    """What libtpu freed after compiles goes back to the system, every few seconds
+    (a trim walks every arena): glibc keeps it in each compiling thread's arena
+    otherwise, a gigabyte over 158 programs."""
     if (libc := _libc()) is not None and time.monotonic() - _TRIMMED[0] > every:
         _TRIMMED[0] = time.monotonic()
         libc.malloc_trim(0)
