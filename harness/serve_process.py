@@ -16,6 +16,10 @@ from tpu_models.server.loopback import ServeProcess
 KV_CAPACITY = re.compile(r"KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency for "
                          r"[\d,]+ tokens per request: (?P<concurrency>[\d.]+)x")
 STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minutes
+# A server launches once the machine has this much memory available (or after
+# MEMORY_WAIT seconds): the suite's two workers start servers side by side, each
+# process about 1 GB, and a 24 GB host out of memory stalled every server on it.
+HEADROOM, MEMORY_WAIT = 3 << 30, 300
 # Off-TPU, token buckets past the smallest and largest compile after the server is
 # ready (tpu_models/adapt/compilation.py): its log says when they are all done.
 BACKGROUND = "compile in the background"
@@ -36,6 +40,13 @@ def launched(servers: dict[str, "Server"]):
     finally:
         for server in servers.values():
             server.stop()
+
+
+def wait_for_memory(headroom: int = HEADROOM, timeout: float = MEMORY_WAIT) -> None:
+    import psutil
+    deadline = time.monotonic() + timeout
+    while psutil.virtual_memory().available < headroom and time.monotonic() < deadline:
+        time.sleep(1)
 
 
 class Server(ServeProcess):
@@ -69,6 +80,7 @@ class Server(ServeProcess):
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
+        wait_for_memory()
         if self.fork_as and preloaded.forks(self.env):
             self.started = time.monotonic()
             self.process = preloaded.launch(self.argv, self.env, self.log_path, self.cwd,
