@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from tpu_models.harness.serve_process import Server, launched
+from tpu_models.harness.serve_process import Server
 from tests.test_serve_e2e import complete_all
 from tests.test_tensor_parallel import FOUR_DEVICES
 from tests.tiny import Reference, make_gemma3, make_qwen3
@@ -43,8 +43,7 @@ def test_two_ranks_give_the_tokens_of_one_and_share_the_requests(tmp_path):
     for name, server in servers.items():
         # One after the other: each is five processes of about 1 GB (two API servers,
         # two engines, the coordinator), and the suite's other worker runs servers too.
-        with launched({name: server}):
-            server.start()
+        with server:
             if "tp2" in name:  # each rank's own mesh: two devices for the model
                 assert "Mesh('data': 1, 'model': 2" in server.output()
                 assert "num_kv_cache_groups=6" in server.output()  # the hybrid KV cache, sharded

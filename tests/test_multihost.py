@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from tpu_models.harness.serve_process import Server, launched
+from tpu_models.harness.serve_process import Server
 from tests.test_serve_e2e import complete_all
 from tests.tiny import Reference, make_gemma3, make_lora, make_qwen3
 
@@ -50,8 +50,8 @@ def qwen3_server(models, tmp_path_factory):
     server = Server(models["qwen3"], *ACROSS_HOSTS, "--enable-lora", "--max-lora-rank", "8",
                     "--lora-modules", f"adapter={models['adapter']}",
                     log=tmp_path_factory.mktemp("multihost-logs") / "qwen3.log")
-    with launched({"qwen3": server}):
-        yield server.start()
+    with server:
+        yield server
 
 
 def prompts() -> list[list[int]]:
@@ -65,9 +65,7 @@ def test_data_parallel_replicas_on_two_local_hosts(models, tmp_path):
     """vLLM's data-parallel replicas on the Ray nodes, a replica each."""
     from tests.test_data_parallel import served_by_engine
 
-    server = Server(models["qwen3"], *REPLICAS, log=tmp_path / "replicas.log")
-    with launched({"replicas": server}):
-        server.start()
+    with Server(models["qwen3"], *REPLICAS, log=tmp_path / "replicas.log") as server:
         assert "replicas on 2 local hosts (Ray)" in server.output()  # the ready line
         reference = Reference(models["qwen3"])
         by_engine = {}
@@ -103,9 +101,7 @@ def check_across_hosts(server, model) -> None:
 
 
 def test_gemma3_across_two_local_hosts(models, tmp_path):
-    server = Server(models["gemma3"], *ACROSS_HOSTS, log=tmp_path / "gemma3.log")
-    with launched({"gemma3": server}):
-        server.start()
+    with Server(models["gemma3"], *ACROSS_HOSTS, log=tmp_path / "gemma3.log") as server:
         assert "num_kv_cache_groups=6" in server.output()  # the hybrid KV cache, across hosts
         check_across_hosts(server, models["gemma3"])
 
