@@ -54,7 +54,7 @@ def test_host_inputs_reach_the_device_as_device_put_places_them_and_as_copies():
 def test_an_in_process_engine_exits_without_a_traceback():
     """vllm.LLM in-process walked the runner's (flax) model as a torch module
     when the engine was collected: every such run ended in an AttributeError
-    traceback (adapt.engine.engine_cleanup_of_torch_models_only). It ends while
+    traceback (adapt.engine.cleanup_of_torch_models_only). It ends while
     token buckets still compile in the background: the one under way is finished,
     no other starts, and nothing is printed after the script's last line."""
     import os

@@ -13,6 +13,7 @@ Standard library only at import: the decoder imports `require`.
 """
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -120,6 +121,9 @@ LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 class Target:
     path: str  # "package.module.Class.attr" or "package.module.attr"
     params: str  # the parameter names it must take, space-separated (its shape)
+    # Our replacement, installed by the patch: called with the original first, then
+    # the target's own arguments. None: the patch's `install` changes the target.
+    by: Callable | None = None
 
     def resolve(self):
         """The object at `path`, or raises LookupError."""
@@ -149,6 +153,37 @@ class Target:
             return f"{self.path} takes ({params}), expected ({self.params})"
         return None
 
+    def replace(self) -> None:
+        """Puts `by` at `path`, the original kept for it (`original`); a module's
+        function also where tpu_inference modules imported it by name."""
+        if self.path in ORIGINALS:  # installed already
+            return
+        owner_path, name = self.path.rsplit(".", 1)
+        try:
+            owner = importlib.import_module(owner_path)
+        except ImportError:  # a class
+            owner = Target(owner_path, "").resolve()
+        raw = inspect.getattr_static(owner, name)
+        ORIGINALS[self.path] = raw.__func__ if isinstance(raw, classmethod) else getattr(owner, name)
+        replacement = _calling_original(self.by, ORIGINALS[self.path])
+        if isinstance(raw, (staticmethod, classmethod)):
+            replacement = type(raw)(replacement)
+        if inspect.ismodule(owner):
+            rebind(owner.__name__, name, replacement)
+        setattr(owner, name, replacement)
+
+
+# Target path -> what was there before the seam replaced it.
+ORIGINALS: dict[str, Callable] = {}
+
+
+def _calling_original(by: Callable, original: Callable) -> Callable:
+    """`by`, handed the original as its first argument."""
+    @functools.wraps(by)
+    def replaced(*args, **kwargs):
+        return by(original, *args, **kwargs)
+    return replaced
+
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -157,7 +192,8 @@ class Patch:
     targets: tuple[Target, ...]
     why: str  # one line: what goes wrong without it
     test: str  # tests/FILE.py::TEST: fails without it, or (speed) checks its output
-    install: Callable[[], None]
+    # What the patch does beyond replacing its targets' `by` (None: nothing).
+    install: Callable[[], None] | None = None
     platform: str = EVERYWHERE
     upstream: str = "none filed"
     speed: str = ""  # for a speed-only patch, the benchmark that shows it
@@ -207,7 +243,11 @@ def install(patches: list[Patch], log) -> None:
     for name, (group, problems) in by_feature.items():
         if not problems:
             for patch in group:
-                patch.install()
+                for target in patch.targets:
+                    if target.by is not None:
+                        target.replace()
+                if patch.install is not None:
+                    patch.install()
             continue
         where = (f"on tpu-inference {version}" if version == WRITTEN_FOR else
                  f"tpu-models adapts tpu-inference {WRITTEN_FOR}, this is {version}, and")
