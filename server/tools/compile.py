@@ -42,7 +42,8 @@ class DoesNotFit(Exception):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tpu-models compile",
-        usage="tpu-models compile [MODEL] --topology NAME [--json PATH] [serve options]",
+        usage="tpu-models compile [MODEL] --topology NAME [--json PATH] [--explain PROGRAM] "
+              "[serve options]",
         description="Compile every program `tpu-models serve MODEL [options]` would compile "
                     "at start-up on a TPU slice, with the TPU compiler, on this host: no TPU "
                     "and no weights needed (a directory with config.json and a tokenizer "
@@ -55,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report here")
     p.add_argument("--dump-hlo", type=Path, metavar="DIR",
                    help="write each compiled program's optimized HLO here")
+    p.add_argument("--explain", metavar="PROGRAM",
+                   help="where PROGRAM's bytes go (weights, KV cache, activations, "
+                        "collectives, copies and pads), from its optimized HLO: a program's "
+                        "name from the report, optionally with its variant, e.g. "
+                        "'backbone tokens 16'")
     p.add_argument("--verbose", action="store_true",
                    help="vLLM's and tpu-inference's start-up log, and tracebacks")
     return p
@@ -71,7 +77,7 @@ def main(argv: list[str]) -> None:
     except (UnknownTopology, ValueError, host.AttentionModeError) as e:
         sys.exit(_fail(2, f"cannot run: {e}"))
     from tpu_models.server.tools import compile_advice, compile_report
-    compile_report.keep_hlo_text(bool(args.dump_hlo))
+    compile_report.keep_hlo_text(bool(args.dump_hlo or args.explain))
     began = time.perf_counter()
     try:
         with compile_report.progress(slice_.name):  # gloo's lines: adapt/engine.py
@@ -89,7 +95,11 @@ def main(argv: list[str]) -> None:
     if args.dump_hlo:
         compile_report.dump_hlo(args.dump_hlo)
     report["compile_seconds"] = round(time.perf_counter() - began, 1)
+    explained = _explained(report, core, args.explain) if args.explain else []
     compile_report.show(report)
+    if explained:
+        from tpu_models.server.tools import compile_explain
+        compile_explain.show(report, explained)
     status, why = compile_report.verdict(report)
     if status == 1:
         chip = report["per_chip"]
@@ -100,6 +110,17 @@ def main(argv: list[str]) -> None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"compile: {why}", flush=True)
     sys.exit(status)
+
+
+def _explained(report: dict, core, spec: str) -> list[int]:
+    """The programs --explain names, their `explain` in the report; exit 1 naming the
+    programs there are when it names none."""
+    from tpu_models.server.tools import compile_explain
+    runner = core.model_executor.driver_worker.worker.model_runner
+    try:
+        return compile_explain.attach(report, runner.mesh.devices.flat[0], spec)
+    except compile_explain.ProgramNotFound as e:
+        sys.exit(_fail(1, str(e)))
 
 
 def _advise(lines: list[str]) -> None:

@@ -5,10 +5,12 @@ memory_analysis), never measurements. `estimated_seconds` is the bytes it
 counts as accessed over the chip's HBM bandwidth (its own `optimal_seconds`,
 where that is sane). It misses the paged KV reads inside the attention kernel
 (a Pallas call), so the decode roofline beside it adds them: weights and KV
-bytes read per step over the chip's bandwidth.
+bytes read per step over the chip's bandwidth; each program's `kv_read_bytes` are
+its kernels' share of them (KvReads).
 """
 
 import contextlib
+import dataclasses
 import re
 import sys
 
@@ -16,7 +18,8 @@ from tpu_models import memory
 from tpu_models.sampler import counts
 from tpu_models.topology.accounting import (
     DRAFT_WEIGHTS, HOST_INPUTS, KEEP_HLO_TEXT, KV_CACHE, PROGRAMS, WEIGHTS, Program, bytes_by_dtype,
-    bytes_on, settled)
+    bytes_on, settled, shard_shapes)
+from tpu_models.topology.costs import hlo_shape
 
 # What a compiler refusal ran out of, by its message.
 _LIMITS = (("HBM", re.compile(r"\bHBM\b")), ("VMEM", re.compile(r"vmem", re.IGNORECASE)),
@@ -72,7 +75,30 @@ def _label_of(program: Program) -> str:
     return f"{name} {program.signature}" if program.signature else name
 
 
-def program_entry(program: Program, bandwidth: float) -> dict:
+@dataclasses.dataclass(frozen=True)
+class KvReads:
+    """The KV cache the attention kernel reads in a step, on one chip: a request at
+    --max-model-len reads its ceil(max_model_len / page size) pages a layer (the cache's
+    bytes over vLLM's concurrency, which counts those pages), the cache full all of
+    it. A program's share: the KV-cache buffers its kernel calls take, of the chip's."""
+    one_request: float
+    full_cache: int
+    shapes: frozenset[str]  # a KV-cache buffer's shape on a chip, as HLO writes it
+    buffers: int
+
+    @classmethod
+    def of(cls, chip, kv: int, concurrency: float) -> "KvReads":
+        found = shard_shapes(chip, KV_CACHE)
+        return cls(kv / concurrency if concurrency else 0.0, kv,
+                   frozenset(hlo_shape(*key) for key in found), sum(found.values()))
+
+    def share(self, program: Program) -> float:
+        """The part of the chip's KV-cache buffers `program`'s kernel calls read."""
+        taken = sum(shape in self.shapes for shape in program.costs.kernel_inputs)
+        return min(taken / self.buffers, 1.0) if self.buffers else 0.0
+
+
+def program_entry(program: Program, bandwidth: float, kv_reads: KvReads | None = None) -> dict:
     entry = {"name": re.sub(r"^worker\d+ ", "", program.name), "tokens": program.signature.get("num_tokens"),
              "requests": program.signature.get("num_reqs"),
              "signature": {k: v for k, v in program.signature.items()
@@ -105,7 +131,10 @@ def program_entry(program: Program, bandwidth: float) -> dict:
             # donated input's (a KV cache updated in place), inputs made for the step.
             "transient_bytes": costs.temp_bytes + costs.output_bytes - costs.alias_bytes
             + program.transient_input_bytes,
-            "compile_seconds": round(program.seconds, 2)}
+            "compile_seconds": round(program.seconds, 2),
+            # Not in bytes_accessed: the Pallas kernel's reads at one request of
+            # --max-model-len (0: no attention kernel call).
+            "kv_read_bytes": kv_reads.one_request * kv_reads.share(program) if kv_reads else 0.0}
 
 
 def keep_hlo_text(keep: bool) -> None:
@@ -139,7 +168,10 @@ def build(vllm_config, core, slice_) -> dict:
     chip = devices[0]
     cache = vllm_config.cache_config
     bandwidth = _chip_bandwidth(runner.mesh)
-    programs = [program_entry(p, bandwidth) for p in settled()]
+    kv = max(bytes_on(d, KV_CACHE) for d in devices)
+    concurrency = float(cache.kv_cache_max_concurrency or 0)
+    kv_reads = KvReads.of(chip, kv, concurrency)
+    programs = [program_entry(p, bandwidth, kv_reads) for p in settled()]
     compiled = [p for p in programs if "error" not in p]
     # The programs a server runs once its KV cache is allocated (not the load's).
     serving = [p for p in compiled if not p["name"].startswith("load > ")]
@@ -148,10 +180,7 @@ def build(vllm_config, core, slice_) -> dict:
     weights = max(bytes_on(d, WEIGHTS) + bytes_on(d, DRAFT_WEIGHTS) for d in devices)
     # Buffers kept beside the cache: the penalties' counts, LoRA slots, the RNG key.
     other = max(bytes_on(d, HOST_INPUTS) for d in devices)
-    kv = max(bytes_on(d, KV_CACHE) for d in devices)
     transient = largest["transient_bytes"] if largest else 0
-    concurrency = float(cache.kv_cache_max_concurrency or 0)
-    per_request = kv / concurrency if concurrency else 0
     decode = min((p for p in compiled if p["name"] == "backbone"),
                  key=lambda p: p["tokens"], default=None)
     return {
@@ -172,7 +201,7 @@ def build(vllm_config, core, slice_) -> dict:
         "kv_cache_tokens": int(cache.kv_cache_size_tokens or 0),
         "kv_cache_blocks": int(cache.num_gpu_blocks or 0), "block_size": cache.block_size,
         "max_concurrent_requests": round(concurrency, 2),
-        "decode_roofline": _decode_roofline(bandwidth, weights, kv, per_request, decode),
+        "decode_roofline": _decode_roofline(bandwidth, weights, kv_reads, decode),
         "programs": programs,
     }
 
@@ -194,13 +223,13 @@ def _per_chip(chip, hbm: int, weights: int, kv: int, other: int, serving: list[d
             "free_bytes": hbm - weights - other - kv - transient}
 
 
-def _decode_roofline(bandwidth: float, weights: int, kv: int, per_request: float,
-                     decode: dict | None) -> dict:
+def _decode_roofline(bandwidth: float, weights: int, kv: KvReads, decode: dict | None) -> dict:
     """A decode step's time if it only read the weights (and the KV cache) from HBM."""
     return {"bandwidth_bytes_per_second": bandwidth,
             "weights_only_seconds": weights / bandwidth,
-            "one_request_at_max_model_len_seconds": (weights + per_request) / bandwidth,
-            "full_cache_seconds": (weights + kv) / bandwidth,
+            "one_request_at_max_model_len_seconds": (weights + kv.one_request) / bandwidth,
+            "full_cache_seconds": (weights + kv.full_cache) / bandwidth,
+            "kv_read_bytes_one_request": kv.one_request,
             "program": _label(decode) if decode else None,
             "compiler_estimate_seconds": decode["estimated_seconds"] if decode else None}
 

@@ -50,14 +50,28 @@ def buffer(x, sharding, holds: str):
     return out
 
 
+def _shard_shape(x) -> tuple[int, ...]:
+    try:
+        return tuple(x.sharding.shard_shape(x.shape))
+    except ValueError:  # a spec its shape cannot split: XLA keeps it whole
+        return tuple(x.shape)
+
+
 def _shard_bytes(x) -> int:
     """Bytes of one device's shard of the placed abstract array `x`."""
     import math
-    try:
-        shard = x.sharding.shard_shape(x.shape)
-    except ValueError:  # a spec its shape cannot split: XLA keeps it whole
-        shard = x.shape
-    return math.prod(shard) * x.dtype.itemsize
+    return math.prod(_shard_shape(x)) * x.dtype.itemsize
+
+
+def shard_shapes(device, holds: str) -> dict[tuple[str, tuple[int, ...]], int]:
+    """How many live abstract buffers holding `holds` have each (dtype, shape) as
+    `device`'s shard: a program's HLO parameters are told apart by these."""
+    out: dict[tuple[str, tuple[int, ...]], int] = {}
+    for x in list(_live.values()):
+        if x.holds == holds and x.sharding is not None and device in x.sharding.device_set:
+            key = (str(x.dtype), _shard_shape(x))
+            out[key] = out.get(key, 0) + 1
+    return out
 
 
 def bytes_by_dtype(device, holds: str | None = None) -> dict[str, int]:
