@@ -154,6 +154,61 @@ def test_demo_with_eagle3_at_tensor_parallel_8_on_v6e_8(tmp_path):
     assert "estimates, not measurements" in output
 
 
+def test_explain_accounts_for_the_decode_steps_bytes(tmp_path):
+    # The demo at TP 8 on a v6e-8, its decode backbone (16 tokens) explained from its HLO.
+    status, report, output = compile_(tmp_path, "--topology", "v6e-8", "--tensor-parallel-size",
+                                      "8", "--explain", "backbone tokens 16", *SMALL)
+    assert status == 0, output[-3000:]
+    decode, = [p for p in report["programs"] if "explain" in p]
+    assert (decode["name"], decode["tokens"]) == ("backbone", 16)
+    explain, total = decode["explain"], decode["bytes_accessed"]
+    groups = explain["groups"]
+    assert list(groups) == ["weights", "KV cache", "activations", "collectives", "copies and pads"]
+    # The groups and what they leave over are the compiler's count; this count follows
+    # the compiler's own closely enough for the backbone to leave little over.
+    assert sum(g["bytes"] for g in groups.values()) + explain["other_bytes"] == pytest.approx(total)
+    assert abs(explain["other_bytes"]) < 0.05 * total, explain["other_bytes"]
+    other = explain["other_bytes"] / total
+    assert sum(g["share"] for g in groups.values()) == pytest.approx(1 - other)
+    # Each weight the backbone uses read once: a chip's share of each layer (q, o and the
+    # MLP split over 8 chips, k and v whole: 2 KV heads), the final norm and the 16
+    # embedding rows gathered, not the table. The head_dim-long q/k norms are padded to
+    # a tile of 256 lanes.
+    cfg = config(DEFAULT_MODEL)
+    D, N, K, H, F = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                      "head_dim", "intermediate_size"))
+    layers = cfg["num_hidden_layers"]
+    per_layer = 2 * (D * N * H // 8 + 2 * D * K * H + N * H * D // 8 + 3 * D * F // 8
+                     + 2 * D + 2 * H)
+    read = layers * per_layer + 2 * D + 16 * D * 2
+    padding = layers * 2 * (256 - H) * 2
+    assert read <= groups["weights"]["bytes"] <= read + padding, groups["weights"]["bytes"]
+    assert groups["weights"]["bytes"] < report["per_chip"]["weights_bytes"]
+    # Two all-reduces a layer and the embedding's; the cache is only the kernel's.
+    assert groups["collectives"]["ops"] == {"all-reduce": 2 * layers + 1}
+    assert groups["KV cache"]["bytes"] == 0 and explain["kernel_calls"] >= layers
+    # What the kernel reads, from its arithmetic: one request at --max-model-len 256
+    # reads its 256 / block_size pages of every layer, 1 KV head a chip.
+    pages = -(-256 // report["block_size"])
+    kv_read = layers * pages * report["block_size"] * kv_bytes_per_token(cfg, 1, 8, 2)
+    reads = explain["kv_reads"]
+    assert decode["kv_read_bytes"] == reads["one_request_at_max_model_len_bytes"] == kv_read
+    assert reads["full_cache_bytes"] == pytest.approx(report["per_chip"]["kv_cache_bytes"])
+    assert {p["kv_read_bytes"] for p in programs(report, "backbone")} == {kv_read}
+    assert all(p["kv_read_bytes"] == 0 for p in report["programs"] if p["name"] != "backbone")
+    for line in ("Where backbone (tokens 16, requests 8)'s bytes go", "not a measurement",
+                 *(f"largest, {g}: " for g in ("weights", "activations", "collectives")),
+                 "the attention kernel's KV-cache reads"):
+        assert line in output, line
+    # A name no program has is refused, naming those there are.
+    from tpu_models.server.tools.compile_explain import ProgramNotFound, select
+    with pytest.raises(ProgramNotFound, match=r"no such program; the programs: .*backbone"):
+        select(report["programs"], "bakcbone")
+    with pytest.raises(ProgramNotFound, match=r"backbone has no such variant; .*tokens 16"):
+        select(report["programs"], "backbone tokens 48")
+    assert len(select(report["programs"], "backbone (tokens 32, requests 8)")) == 1
+
+
 def test_gemma3_hybrid_cache_in_fp8_with_lora_slots_on_v5e_1(tmp_path):
     model = DOCTOR / "gemma3"
     args = ("--topology", "v5e-1", "--kv-cache-dtype", "fp8", "--enable-lora", "--max-loras", "2",
