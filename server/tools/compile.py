@@ -8,7 +8,8 @@ patches): no weight is read or allocated, and each program precompilation
 names is compiled by libtpu, the TPU's own compiler, and never run. The report
 (from tpu_models.topology.accounting: what each chip holds, what compiled) says
 what fits in a chip's HBM, how many tokens the KV cache holds, and each
-program's cost as the compiler estimates it.
+program's cost as the compiler estimates it; --explain PROGRAM, where that
+program's bytes go (compile_explain.py).
 
 Exit status: 0 everything compiled and fits; 1 a program did not compile or
 the configuration does not fit (named, with what would); 2 it could not run.
