@@ -97,13 +97,13 @@ SpeculativeDecodingManager.take_draft_token_ids = lambda self, step: None
 original_prepare = StructuredDecodingManager.prepare_structured_decoding_input
 
 from vllm.engine.arg_utils import EngineArgs
-from tpu_models.adapt import guard
+from tpu_models import features
 from tpu_models.harness.stepper import Stepper, load_plugins
 from tpu_models.server.serve import DEFAULT_MODEL, EAGLE3_DRAFT
 from tests.tiny import make_gemma3
 
 load_plugins()  # the plugin: adapt.apply() on the faked version
-print("REFUSED", sorted(guard.refused()))
+print("REFUSED", sorted(features.refused()))
 print("UNTOUCHED", KVCacheManager.get_kv_cache_spec.__module__)
 print("APPLIED", StructuredDecodingManager.prepare_structured_decoding_input is not original_prepare)
 
@@ -111,9 +111,9 @@ def start(model, model_class, **args):
     config = EngineArgs(model=str(model), dtype="float32", max_model_len=256,
                         **args).create_engine_config()
     try:
-        guard.require(config, model_class)
+        features.require(config, model_class)
         return "served"
-    except guard.AdaptationError as e:
+    except features.AdaptationError as e:
         return str(e)
 
 from tpu_models.qwen3_structural.model import Qwen3StructuralForCausalLM as Qwen3
@@ -135,7 +135,7 @@ for name, outcome in cases.items():
 try:
     Stepper(DEFAULT_MODEL, enable_lora=True, max_lora_rank=8)
     print("BUILT lora")
-except guard.AdaptationError as e:
+except features.AdaptationError as e:
     print("BUILD-REFUSED", e)
 """
 
@@ -176,19 +176,20 @@ def test_off_tpu_a_host_portability_patch_that_cannot_apply_stops_the_engine(mon
 
     import pytest
 
+    from tpu_models import features
     from tpu_models.adapt import guard
     installed = []
-    broken = guard.Patch("example", guard.OFF_TPU_HOST,
+    broken = guard.Patch("example", features.OFF_TPU_HOST,
                          (guard.Target("tpu_models.host.has_tpu", "device"), ), "why", "test",
                          lambda: installed.append(1), platform=guard.OFF_TPU)
-    monkeypatch.setattr(guard, "_refused", {})
-    with pytest.raises(guard.AdaptationError, match=r"serving off-TPU .*host\.has_tpu takes \(\)"):
+    monkeypatch.setattr(features, "_refused", {})
+    with pytest.raises(features.AdaptationError, match=r"serving off-TPU .*host\.has_tpu takes \(\)"):
         guard.install([broken], logging.getLogger("test"))
     assert not installed
     # On a TPU host the same patch is not even considered.
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     guard.install([broken], logging.getLogger("test"))
-    assert not installed and guard.refused() == {}
+    assert not installed and features.refused() == {}
 
 
 def test_argmax_off_tpu_answers_as_numpy():

@@ -15,8 +15,8 @@ def register() -> None:
 
     from vllm.reasoning import ReasoningParserManager
 
-    from tpu_models import adapt, registry, runtime
-    from tpu_models.adapt import guard, loading
+    from tpu_models import adapt, features, registry, runtime
+    from tpu_models.adapt import loading
     from tpu_models.attention import PortableAttentionBackend
     from tpu_models.sampler import requests
 
@@ -24,7 +24,7 @@ def register() -> None:
     # The seam's part in building and loading our models (the core imports no patch).
     if not runtime.SEAM.build_checks:
         runtime.SEAM.build_checks += [
-            guard.require,  # features whose adaptation cannot apply here
+            features.require,  # features whose adaptation cannot apply here
             lambda config, _model: requests.check_server_defaults(config)]
     runtime.SEAM.cast_by_loader = loading.mark if loading.installed() else None
     for arch in registry.architectures():

@@ -2,14 +2,11 @@
 
 Each `Patch` names the attributes it replaces (`Target`: a dotted path and the
 parameters it must still take), why, where it applies, the serving feature it
-belongs to and the test that fails without it. Before a feature's patches are
-installed, every target of every one of them is checked; if one is missing or
-takes other parameters, none is installed and the feature is refused: a model
-that would use it stops at start-up (`require`) naming the feature and the
-tpu-inference version, rather than being served wrong. The ledger
+belongs to (tpu_models.features) and the test that fails without it. Before a
+feature's patches are installed, every target of every one of them is checked; if
+one is missing or takes other parameters, none is installed and the feature is
+refused (features.require then stops a model that would use it). The ledger
 (docs/adaptations.md) is written from these records.
-
-Standard library only at import: the decoder imports `require`.
 """
 
 import dataclasses
@@ -17,104 +14,19 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-import os
 import sys
 from collections.abc import Callable
 
-# The tpu-inference release these adaptations were written against.
-WRITTEN_FOR = "0.32.0"
+from tpu_models import features
+from tpu_models.features import (  # noqa: F401  re-exported for the adapt modules
+    COMPILE_ONLY, EAGLE3, EXPORT_MARKERS, GUIDED, GUIDED_WITH_DRAFTS, HYBRID_KV, IN_PROCESS,
+    KV_BUDGET, LOG, LOGPROBS_IN_PIECES, LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, LORA, OFF_TPU_HOST,
+    RPA_INTERPRET, RPA_PATH, SAMPLER_EXTRAS, SAMPLING_CHECKS, SPEC_FUSION, START_CHECKS, STARTUP,
+    TUNIX_ROLLOUTS, WRITTEN_FOR, AdaptationError, Feature, host_platform_set, refused, require)
+
 OFF_TPU, EVERYWHERE = "off-TPU", "every platform"
 # Installed only in `tpu-models compile`'s process (tpu_models.host.compile_target).
 COMPILING = "compiling for a TPU"
-
-
-class AdaptationError(RuntimeError):
-    """A feature the engine was asked for cannot be adapted to this tpu-inference."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Feature:
-    name: str
-    # (vllm_config, our model class) -> whether this engine needs the feature
-    in_use: Callable[[object, type], bool]
-    instead: str  # what a user can do while it is refused
-
-
-def _compiling() -> bool:
-    from tpu_models.host import compile_target
-    return compile_target() is not None
-
-
-def _attention_mode() -> str:
-    from tpu_models.host import attention_mode
-    return attention_mode()
-
-
-def _speculating(vllm_config, _model) -> bool:
-    return vllm_config.speculative_config is not None
-
-
-def _eagle3(vllm_config, _model) -> bool:
-    spec = vllm_config.speculative_config
-    return spec is not None and spec.method in ("eagle3", "eagle")
-
-
-def _sliding(vllm_config, model) -> bool:
-    return (not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager and any(
-        w is not None for w in model.sliding_windows(vllm_config.model_config.hf_text_config)))
-
-
-OFF_TPU_HOST = Feature("serving off-TPU", lambda *_: host_platform_set(),
-                       "run on a TPU host, or install tpu-inference==" + WRITTEN_FOR)
-LORA = Feature("per-request LoRA adapters (--enable-lora)",
-               lambda c, _: c.lora_config is not None,
-               "merge one adapter at load (tpu-models serve --lora)")
-HYBRID_KV = Feature("the hybrid KV cache for sliding-window layers", _sliding,
-                    "pass --disable-hybrid-kv-cache-manager")
-EAGLE3 = Feature("EAGLE-3 drafts", _eagle3, "serve without --speculative-config, or with n-gram")
-GUIDED = Feature("guided decoding (response_format, structured outputs)", lambda *_: True,
-                 "install tpu-inference==" + WRITTEN_FOR)
-GUIDED_WITH_DRAFTS = Feature("guided decoding beside speculative drafts", _speculating,
-                             "serve without --speculative-config")
-IN_PROCESS = Feature("vllm.LLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
-                     lambda *_: os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
-                     "run the engine in its own process (vLLM's default)")
-SAMPLING_CHECKS = Feature("sampling parameters refused rather than ignored", lambda *_: True,
-                          "install tpu-inference==" + WRITTEN_FOR)
-# Refused, these requests get a 400 instead (adapt.sampling).
-LOGPROBS_ZERO = Feature("logprobs=0", lambda *_: False, "")
-LOGPROBS_WITH_DRAFTS = Feature("logprobs beside speculative drafts", lambda *_: False, "")
-SAMPLER_EXTRAS = Feature("min_p, seeds, logit_bias, allowed_token_ids, min_tokens, penalties "
-                         "and bad_words",
-                         lambda *_: False, "")
-RPA_PATH = Feature("the TPU attention path off-TPU (TPU_MODELS_ATTENTION=rpa-reference, "
-                   "rpa-interpret)",
-                   lambda *_: _attention_mode() in ("rpa-reference", "rpa-interpret"),
-                   "TPU_MODELS_ATTENTION=portable")
-RPA_INTERPRET = Feature("the Pallas kernel interpreted off-TPU (TPU_MODELS_ATTENTION=rpa-interpret)",
-                        lambda *_: _attention_mode() == "rpa-interpret",
-                        "TPU_MODELS_ATTENTION=rpa-reference")
-# Speed only: refused, the server starts slower and nothing else.
-STARTUP = Feature("a fast start (the step compiled ahead of time, buckets in the background)",
-                  lambda *_: False, "")
-# Speed only: refused, an EAGLE-3 step launches tpu-inference's programs one by one.
-SPEC_FUSION = Feature("EAGLE-3 verification and drafting in one program per step",
-                      lambda *_: False, "")
-EXPORT_MARKERS = Feature("exports cut short refused on every serve path", lambda *_: True,
-                         "check with tpu-models inspect before serving")
-KV_BUDGET = Feature("--kv-cache-memory-bytes on a TPU",
-                    lambda c, _: bool(c.cache_config.kv_cache_memory_bytes),
-                    "size the cache with --gpu-memory-utilization")
-COMPILE_ONLY = Feature("compiling for a TPU topology (tpu-models compile)",
-                       lambda *_: _compiling(), "install tpu-inference==" + WRITTEN_FOR)
-TUNIX_ROLLOUTS = Feature("Tunix's vLLM rollouts on our models (tpu_models.tunix)", lambda *_: False,
-                         "google-tunix==0.1.5's rollout_engine='vanilla'")
-# Memory only: refused, log-probs take upstream's whole-vocabulary temporaries.
-LOGPROBS_IN_PIECES = Feature("log-probs a piece of rows at a time", lambda *_: False, "")
-# Messages only: refused, a start-up mistake is named by vLLM's own error.
-START_CHECKS = Feature("start-up mistakes named in one line", lambda *_: False, "")
-# Log accuracy only: refused, the log line is wrong and nothing else.
-LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +111,6 @@ class Patch:
     speed: str = ""  # for a speed-only patch, the benchmark that shows it
 
 
-def host_platform_set() -> bool:
-    from tpu_models.host import host_platform
-    return host_platform() is not None
-
-
 def platforms_here() -> set[str]:
     """The `Patch.platform` values that apply in this process."""
     from tpu_models.host import compile_target
@@ -214,14 +121,6 @@ def platforms_here() -> set[str]:
 
 def upstream_version() -> str:
     return importlib.metadata.version("tpu-inference")
-
-
-# Feature name -> why it is refused in this process (filled by `install`).
-_refused: dict[str, str] = {}
-
-
-def refused() -> dict[str, str]:
-    return dict(_refused)
 
 
 def assess(patches: list[Patch]) -> dict[str, tuple[list[Patch], list[str]]]:
@@ -255,20 +154,12 @@ def install(patches: list[Patch], log) -> None:
         if group[0].feature in (OFF_TPU_HOST, COMPILE_ONLY):
             raise AdaptationError(f"tpu-models: {reason}. Run on a TPU host or install "
                                   f"tpu-inference=={WRITTEN_FOR}.")
-        _refused[name] = reason
+        features.refuse(group[0].feature, reason)
         log.warning("tpu-models: %s", reason)
     if version != WRITTEN_FOR:
         log.warning("tpu-models: tpu-inference %s, adaptations written for %s: %d of %d "
-                    "features apply", version, WRITTEN_FOR, len(by_feature) - len(_refused),
-                    len(by_feature))
-
-
-def require(vllm_config, model_class: type) -> None:
-    """At model build: refuses the features this engine needs but cannot have."""
-    for feature in FEATURES:
-        if feature.name in _refused and feature.in_use(vllm_config, model_class):
-            instead = f". Instead: {feature.instead}" if feature.instead else ""
-            raise AdaptationError(f"tpu-models: {_refused[feature.name]}{instead}")
+                    "features apply", version, WRITTEN_FOR,
+                    len(by_feature) - len(features.refused()), len(by_feature))
 
 
 def our_model(vllm_config) -> type | None:
@@ -294,7 +185,3 @@ def rebind(module_name: str, name: str, replacement) -> None:
             setattr(mod, name, replacement)
 
 
-FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
-            LOGPROBS_ZERO, LOGPROBS_WITH_DRAFTS, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH,
-            RPA_INTERPRET, STARTUP, SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY,
-            TUNIX_ROLLOUTS, LOGPROBS_IN_PIECES, START_CHECKS, LOG)
