@@ -152,6 +152,13 @@ def test_demo_with_eagle3_at_tensor_parallel_8_on_v6e_8(tmp_path):
     assert roof["bandwidth_bytes_per_second"] == 1.64e12  # v6e's HBM, JAX's TPU table
     assert roof["weights_only_seconds"] == pytest.approx(chip["weights_bytes"] / 1.64e12)
     assert "estimates, not measurements" in output
+    # The attention kernel's reads at one request of 256 tokens: its pages of the chip's
+    # 5 caches, the backbone's kernels reading the target's 4, the drafter's its 1.
+    one = roof["kv_read_bytes_one_request"]
+    assert one == -(-256 // report["block_size"]) * report["block_size"] * per_token
+    assert [p["kv_read_bytes"] for p in backbones] == pytest.approx([one * 4 / 5] * 2)
+    drafts = programs(report, "drafter_propose > _propose")
+    assert drafts and [p["kv_read_bytes"] for p in drafts] == pytest.approx([one / 5] * len(drafts))
 
 
 def test_explain_accounts_for_the_decode_steps_bytes(tmp_path):
