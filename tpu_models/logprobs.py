@@ -7,6 +7,11 @@ more than a v5e chip has left beside its KV cache. Here the rows go through in
 pieces of `rows_per_piece(vocab)` (a piece's log-softmax at most PIECE_BYTES), so
 a program's temporaries no longer grow with the rows. Each row's result is what
 upstream's computes: the same operations, on the same row.
+
+Also served where tpu-inference's own answer failed: logprobs=0
+(`gathered_for_zero`), and a drafting engine's step without drafts
+(`drafting_without_drafts`, `bonus_rows`). The seam calls these (adapt.logprobs,
+adapt.sampling).
 """
 
 import functools
@@ -79,3 +84,53 @@ def programs():
         return gather(logits, prompt_target_ids, max_logprobs)
 
     return compute_and_gather_logprobs, compute_and_gather_prompt_logprobs
+
+
+class _AskingForLogprobs:
+    """An input batch read as asking for the log-probs gather."""
+
+    def __init__(self, batch):
+        self._batch = batch
+
+    def __getattr__(self, name):
+        return getattr(self._batch, name)
+
+    @property
+    def max_num_logprobs(self):
+        return 1  # the gather always returns the model's max_logprobs columns
+
+
+def gathered_for_zero(input_batch):
+    """The input batch, read as asking for the gather when its requests asked for
+    logprobs=0 (the sampled token's log-prob, chat's `logprobs: true`): tpu-inference
+    gathers only for max_num_logprobs > 0, so such a request got no logprobs and
+    vLLM's response builder raised IndexError (a 500)."""
+    return _AskingForLogprobs(input_batch) if input_batch.max_num_logprobs == 0 else input_batch
+
+
+def drafting_without_drafts(spec_decode_metadata) -> bool:
+    """Whether a step of a drafting engine had no drafts (the first step, for one). It
+    is laid out [draft rows, bonus rows] per rank all the same; tpu-inference unpicks
+    that layout only when some request drafted, so such a step's logprobs were read
+    from the draft rows' -1 placeholders, which killed the engine."""
+    import numpy as np
+    return (spec_decode_metadata is not None
+            and np.sum(spec_decode_metadata.draft_lengths_cpu) == 0)
+
+
+def bonus_rows(logprobs_tensors, spec_decode_metadata, runner, num_reqs):
+    """vLLM's LogprobsLists of a drafting step without drafts: its bonus rows, unpicked
+    by tpu-inference's own filter_speculative_logprobs."""
+    import jax
+    import numpy as np
+    from tpu_inference.spec_decode.jax.utils import filter_speculative_logprobs
+    from vllm.v1.outputs import LogprobsLists
+
+    ids, logprobs, ranks, cu_num_generated_tokens = filter_speculative_logprobs(
+        *(np.asarray(jax.device_get(a)) for a in (logprobs_tensors.logprob_token_ids,
+          logprobs_tensors.logprobs, logprobs_tensors.selected_token_ranks)),
+        spec_decode_metadata,
+        runner.input_batch.vocab_size, runner.dp_size,
+        runner.input_batch.num_reqs if num_reqs is None else num_reqs)
+    return LogprobsLists(logprob_token_ids=ids, logprobs=logprobs, sampled_token_ranks=ranks,
+                         cu_num_generated_tokens=cu_num_generated_tokens)

@@ -4,6 +4,7 @@ from tpu_models.adapt.guard import LOGPROBS_IN_PIECES, Patch, Target, rebind
 
 
 def logprobs_in_pieces() -> None:
+    """Upstream's jits replaced by ours, not wrapped: the runner's precompiler lowers them."""
     from tpu_models import logprobs
     sampled, prompt = logprobs.programs()
     module = "tpu_inference.layers.jax.sample.sampling"

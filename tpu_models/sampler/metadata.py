@@ -3,6 +3,7 @@ sampler (`ADDED`), `ExtendedMetadata`, and its arrays built on the host from a
 step's rows (`for_step`), a row per request laid out as tpu-inference lays them (a
 block per data-parallel rank)."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -27,6 +28,29 @@ COUNTED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_w
 
 def asks_for_extras(params) -> bool:
     return params is not None and any(is_set(params) for is_set in ADDED.values())
+
+
+def new_requests_asking(scheduler_output) -> set[str]:
+    """The ids of a step's new requests that ask for something we add."""
+    return {new.req_id for new in scheduler_output.scheduled_new_reqs
+            if asks_for_extras(new.sampling_params)}
+
+
+@contextlib.contextmanager
+def allowed_ids_hidden(request):
+    """While tpu-inference's input batch takes a request (the runner's
+    CachedRequestState): its allowed_token_ids hidden, which `extended` applies
+    (the batch's own mask for them was allocated wrongly: the engine died)."""
+    params = request.sampling_params
+    if params is None or params.allowed_token_ids is None:
+        yield
+        return
+    request.sampling_params = params.clone()
+    request.sampling_params.allowed_token_ids = None
+    try:
+        yield
+    finally:
+        request.sampling_params = params
 
 
 def _counted(params) -> bool:

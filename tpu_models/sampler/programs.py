@@ -21,9 +21,26 @@ def _compiled(counting: bool):
                    donate_argnums=(4, 5) if counting else ())
 
 
+class DrawnInVerification:
+    """What `sample` returns in place of the bonus token ids of a penalized step beside
+    drafts, which the rejection sampler is handed next (upstream passes them on as
+    they are): their rng and logits, the tokens drawn in verification, which knows
+    the drafts (`verify`)."""
+
+    def __init__(self, rng, logits):
+        self.rng, self.logits = rng, logits
+
+    def __repr__(self):
+        return "<bonus token ids: drawn in verification (tpu_models.sampler.programs)>"
+
+
 def sample(rng, mesh, logits, metadata):
     """(tokens, processed logits) for a batch with our metadata; a batch whose
-    penalties or bad words read TokenCounts adds its tokens to them."""
+    penalties or bad words read TokenCounts adds its tokens to them. Beside drafts,
+    such a batch's bonus tokens are left to `verify` (DrawnInVerification): their
+    counts include the drafts."""
+    if metadata.slot is not None and metadata.drafts:
+        return DrawnInVerification(rng, logits), logits
     if metadata.slot is None:
         return _compiled(False)(rng, mesh, logits, metadata)
     counts = token_counts()
@@ -39,13 +56,13 @@ def _verifying():
                    donate_argnames=("counts", "recent"))
 
 
-def verify(draft_ids, num_draft, target_logits, bonus, metadata, key, mesh):
+def verify(draft_ids, num_draft, target_logits, bonus: DrawnInVerification, metadata, key,
+           mesh):
     """The rejection sampler's output for a penalized step beside drafts, its bonus
-    tokens (`bonus`: their rng and logits) drawn here; TokenCounts updated."""
-    bonus_rng, bonus_logits = bonus
+    tokens drawn here; TokenCounts updated."""
     counts = token_counts()
     out, counts.counts, counts.recent = _verifying()(
-        draft_ids, num_draft, target_logits, bonus_logits, metadata, bonus_rng, key,
+        draft_ids, num_draft, target_logits, bonus.logits, metadata, bonus.rng, key,
         counts.counts, counts.recent, ranks=data_ranks(mesh))
     return out
 

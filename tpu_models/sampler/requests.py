@@ -51,6 +51,22 @@ def refuse_what_is_ignored(params, extras: bool, logprobs_zero: bool) -> None:
                                   "logprobs >= 1", parameter="logprobs", value=0)
 
 
+def seeded(params) -> bool:
+    """Whether a request sets a seed, which tpu-inference's validate_request refuses
+    ("JAX does not support per-request seed", its only check of one): we sample seeds."""
+    from vllm.sampling_params import SamplingType
+    return getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED
+
+
+def refuse_structured_outputs_not_an_object(data) -> None:
+    """A request body whose `structured_outputs` is not an object (vLLM's check of it
+    calls .get() on whatever came: a number there answered 500)."""
+    from vllm.sampling_params import StructuredOutputsParams
+    if isinstance(data, dict) and not isinstance(data.get("structured_outputs"), (
+            dict, StructuredOutputsParams, type(None))):
+        raise ValueError("structured_outputs must be an object")
+
+
 def _refuse_out_of_range(params) -> None:
     """An int past 64 bits cannot cross to the engine (msgpack: a 500), a NaN or
     infinite float would reach the step: a 400 naming the field instead."""
