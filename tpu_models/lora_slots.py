@@ -14,7 +14,12 @@ off the model gets no batch and runs exactly as before.
 LRUCacheWorkerLoRAManager is to its PyTorch models): it reads and checks PEFT
 adapters (tpu_models.loaders.peft), keeps up to --max-cpu-loras of them on the host, and
 puts the ones a batch uses into the --max-loras slots, least recently used out
-first. tpu_models.adapt.lora hands it vLLM's LoRA requests.
+first. tpu-inference builds a LoRA manager only for PyTorch models (its flax_nnx
+loader returns none, and its LoraUtils reads a torch Punica wrapper): the seam
+(tpu_models.adapt.lora) makes the slots the runner's manager (`serve_from_slots`),
+maps each step's tokens onto slots (`set_active_loras`), hands the model the slots as
+its `lora_metadata` argument (`AdapterSlots.batch`), and has the API server read and
+check an adapter before the engine loads it (`load_refusal`).
 
 Shapes: T tokens, S slots, R --max-lora-rank; a projection's input and output
 axes as in its kernel (q_proj: in D, out N H; o_proj: in N H, out D).
@@ -297,6 +302,63 @@ class AdapterSlots:
             return False
         self._cache(request, {})
         return True
+
+
+# --- vLLM's runner and API server, handing the slots its LoRA requests ----------------
+
+
+def serve_from_slots(runner) -> None:
+    """A runner whose model (ours, --enable-lora) is loaded gets its AdapterSlots as
+    its lora_manager, and computes logits without the step's LoraBatch."""
+    runner.lora_manager = runner.model.adapter_slots(runner.mesh)
+    runner.compute_logits_fn = _WithoutLora(runner.compute_logits_fn)
+
+
+class _WithoutLora:
+    """compute_logits without the step's LoRA batch: the vocab projection is no
+    target, and per-token slots would give it a new shape to compile per batch.
+    The runner's warm-up lowers it, hence `lower`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, state, hidden, _lora=None, **kwargs):
+        return self.fn(state, hidden, None, **kwargs)
+
+    def lower(self, state, hidden, _lora=None, **kwargs):
+        return self.fn.lower(state, hidden, None, **kwargs)
+
+
+def of_runner(runner) -> AdapterSlots | None:
+    """The runner's AdapterSlots, where it `serve_from_slots`."""
+    manager = getattr(runner, "lora_manager", None)
+    return manager if isinstance(manager, AdapterSlots) else None
+
+
+def set_active_loras(runner, num_scheduled_tokens_per_req, total_num_scheduled_tokens,
+                     padded_total_num_scheduled_tokens) -> None:
+    """The step's adapters into the runner's slots, each token mapped onto its
+    request's (the padding rows onto the last request's)."""
+    counts = np.copy(num_scheduled_tokens_per_req)
+    counts[-1] += padded_total_num_scheduled_tokens - total_num_scheduled_tokens
+    prompt, tokens, requests = runner.input_batch.make_lora_inputs(counts)
+    runner._set_active_loras(prompt, tokens, requests)
+
+
+def load_refusal(request, base_table, max_rank: int):
+    """The API server's answer to a load_lora_adapter `request` whose adapter the
+    slots cannot take: a 400 naming the fault (vLLM answers any failure inside the
+    engine with a 500), or None."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.serve import create_error_response
+    try:
+        read_adapter(request.lora_name, request.lora_path, base_table=base_table,
+                     max_rank=max_rank)
+    except AdapterError as e:
+        return create_error_response(message=str(e), err_type="BadRequestError",
+                                     status_code=HTTPStatus.BAD_REQUEST)
+    return None
 
 
 def _abstract(buffers: dict) -> bool:

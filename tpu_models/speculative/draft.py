@@ -8,10 +8,20 @@ live requests: `propose_on_live_rows` runs the passes on min(slots, tokens) rows
 and pads the drafts back. A caller knowing the step's requests (speculative.fusion)
 bounds them closer (`live_rows`): a prompt's 64 tokens are one request. The first
 pass writes every token's keys and values but finishes the layer on those rows
-only (`first_pass_on_rows`).
+only (`first_pass_on_rows`). Upstream's `_propose` is a jit; ours (`propose_jitted`)
+is one too, without its xla_tpu_* options, so that speculative.fusion can call the
+function inside it (its `__wrapped__`) with `live_rows`.
+
+Off-TPU its heads stay at their size (`heads_at_their_size`): tpu-inference pads a
+draft's head_dim to 128 lanes for the TPU kernel, which made the demo draft's 32-wide
+heads' attention projections 4x their size, and computed so, every pass. The
+portable attention pads only the cache, as it does for our models; the cache keeps
+its padded shape (sized elsewhere).
 """
 
+import contextlib
 import dataclasses
+import functools
 
 
 def computing_in(model, dtype) -> None:
@@ -23,6 +33,54 @@ def computing_in(model, dtype) -> None:
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and getattr(node, "dtype", None) == jnp.bfloat16:
             node.dtype = served
+
+
+@contextlib.contextmanager
+def heads_at_their_size():
+    """Within it, tpu-inference pads no head_dim (`utils.get_padded_head_dim`)."""
+    from tpu_inference import utils
+    padded = utils.get_padded_head_dim
+    utils.get_padded_head_dim = lambda head_dim: head_dim
+    try:
+        yield
+    finally:
+        utils.get_padded_head_dim = padded
+
+
+def with_heads_at_their_size(method):
+    """`method`, run `heads_at_their_size`."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with heads_at_their_size():
+            return method(*args, **kwargs)
+    return run
+
+
+def propose(upstream, self, state_leaves, kv_caches, input_ids, attn_metadata,
+            last_token_indices, target_hidden_states, num_speculative_tokens,
+            layer_name_to_kvcache_index, live_rows=None):
+    """Eagle3Proposer._propose: the passes on the live rows, where a caller
+    (speculative.fusion) may name how many; else `upstream`'s (its function, unjitted)."""
+    live = on_live_rows(self, last_token_indices.shape[0], input_ids.shape[0], live_rows,
+                        num_speculative_tokens)
+    if not live:
+        return upstream(self, state_leaves, kv_caches, input_ids, attn_metadata,
+                        last_token_indices, target_hidden_states, num_speculative_tokens,
+                        layer_name_to_kvcache_index)
+    return propose_on_live_rows(self, state_leaves, kv_caches, input_ids, attn_metadata,
+                                last_token_indices, target_hidden_states,
+                                num_speculative_tokens, layer_name_to_kvcache_index, live)
+
+
+def propose_jitted(upstream):
+    """`propose` over `upstream`, jitted as Eagle3Proposer._propose is, without its
+    xla_tpu_* options. Static both by position (the runner's calls) and by name
+    (upstream's precompilation): given both, JAX maps neither to the other."""
+    import jax
+    return jax.jit(functools.partial(propose, upstream), donate_argnames=("kv_caches", ),
+                   out_shardings=(None, None), static_argnums=(0, 7, 8),
+                   static_argnames=("num_speculative_tokens", "layer_name_to_kvcache_index",
+                                    "live_rows"))
 
 
 def on_live_rows(proposer, rows: int, tokens: int, live_rows, num_speculative_tokens) -> int:

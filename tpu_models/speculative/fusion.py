@@ -10,7 +10,7 @@ calls answered from that program's results (`Replay`): its bookkeeping (async
 or not) stays upstream's. The program compiles when a step first meets its
 shapes (it is not among those tpu-inference compiles before serving). On XLA:CPU
 a decode step of the demo model launched 15 programs, 7 fused (plain decoding:
-6): tpu-models bench spec-calls. adapt.spec_fusion decides which steps run so.
+6): tpu-models bench spec-calls. speculative.steps decides which steps run so.
 """
 
 import collections
