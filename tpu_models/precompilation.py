@@ -1,10 +1,39 @@
 """What a server start compiles, and when: the policy the seam (adapt/compilation.py)
 carries out and the ready line reports, the model step with the `lower` the
 precompiler looks for (`AheadOfTimeStep`), and the buckets compiled after ready
-(`compile_in_background`)."""
+(`compile_in_background`).
+
+tpu-inference compiles the model step once per token bucket before it serves,
+but only functions with a `lower` take part in its parallel ahead-of-time pass:
+the flax step is a Python function that picks a jit, so each bucket was traced,
+compiled (or read back from JAX's cache) and run once, one after another. Here
+the step lowers ahead of time (`with_the_step_lowered_ahead`), and a bucket
+compiled that way is not also run (`warm_up_tasks_to_run`). Off-TPU the buckets
+between the smallest and the largest then compile in the background once the
+server is ready (`ready_buckets`, `rest_in_background`); until one is compiled, a
+step pads to the next compiled bucket. Figures: benchmarks/README.md (bench startup).
+
+Off-TPU precompilation also overlaps with the compile workers. tpu-inference waits
+for each group's compilations before it lowers the next, and precompiles the
+sampler before the KV cache exists (to keep HBM free for it); off-TPU both only
+serialize: the sampler at every request bucket (2 s at 0.6B, read back from the
+cache) ran before the step's buckets, and each group waited for the step's largest
+bucket (3 s). There the sampler waits for capture_model, whose flushes then wait for
+nothing: the main thread lowers every group while the workers compile, and
+capture_model's end waits for all. With EAGLE-3 steps fused (adapt.spec_fusion),
+upstream's speculative programs (rejection samplers, row selections, the draft's
+passes: 290 of the demo's 370) run only in the steps the fused one leaves them
+(logprobs, penalties): they compile at first use.
+
+Mosaic lowering caches each Pallas kernel equation under a key whose hash takes a
+DMA's pytree without its nodes' data: a kernel's DMAs all hash alike, and each
+lookup compared keys in full (RPA v3: a million comparisons, 2.5 of 8.8 s a
+lowering); `hashed_by_their_trees` hashes the trees too.
+"""
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -38,6 +67,11 @@ def ready_buckets(paddings: list[int]) -> list[int]:
     return sorted({paddings[0], paddings[-1]})
 
 
+def _log():
+    from tpu_inference.logger import init_logger
+    return init_logger("tpu_models.adapt")
+
+
 class AheadOfTimeStep:
     """tpu-inference's flax model step (a function choosing a jit per KV-cache
     sharding), with the `lower` its precompiler looks for."""
@@ -68,6 +102,79 @@ class AheadOfTimeStep:
         return self._resolve(args[1], True).lower(*args, **kwargs)
 
 
+def with_the_step_lowered_ahead(interface):
+    """model_loader.get_flax_model's interface, its step an `AheadOfTimeStep`; as it
+    was (said in the log) where the step is not tpu-inference 0.32's."""
+    step = AheadOfTimeStep.wrap(interface.model_fn)
+    if step is None:
+        _log().warning("tpu-models: the model step cannot be lowered ahead of time on "
+                       "this tpu-inference; each bucket compiles in the warm-up pass")
+        return interface
+    return dataclasses.replace(interface, model_fn=step)
+
+
+@contextlib.contextmanager
+def noting_a_task_compiled_ahead(manager, compiled_ahead: set):
+    """Around the compilation manager's _run_compilation: the warm-up task it adds for a
+    function it gave a worker to compile is noted in `compiled_ahead` (by id)."""
+    tasks, futures = len(manager._warmup_tasks), len(manager._compile_futures)
+    yield
+    if len(manager._warmup_tasks) > tasks and len(manager._compile_futures) > futures:
+        compiled_ahead.add(id(manager._warmup_tasks[-1]))
+
+
+def warm_up_tasks_to_run(tasks: list, compiled_ahead: set) -> list:
+    """The warm-up pass's tasks, less those compiled ahead (`compiled_ahead`, emptied).
+    The pass calls every precompiled function once, to fill the caches of functions it
+    could not lower. One compiled ahead is in jit's caches already, and its call was
+    pure cost: a forward pass per bucket of the step (4 s at 256 tokens for a 0.6B
+    model on CPU), the sampler at 64 rows of a 152k vocabulary."""
+    kept = [task for task in tasks if id(task) not in compiled_ahead]
+    compiled_ahead.clear()
+    return kept
+
+
+def deferring(runner) -> bool:
+    """Whether the runner's token buckets compile partly after ready: its step lowers
+    ahead of time, on one data-parallel rank, where `background_buckets` says so."""
+    return (isinstance(runner.model_fn, AheadOfTimeStep) and runner.dp_size == 1
+            and background_buckets(runner.vllm_config))
+
+
+@contextlib.contextmanager
+def buckets_of(runner, paddings: list[int] | None):
+    """The runner's token buckets are `paddings` inside (the step's precompilation
+    reads them; None: all of them), all of them again after."""
+    if paddings is None:
+        yield
+        return
+    every = runner.num_tokens_paddings
+    runner.num_tokens_paddings = paddings
+    try:
+        yield
+    finally:
+        runner.num_tokens_paddings = every
+
+
+def rest_in_background(runner, every: list[int]) -> threading.Thread | None:
+    """Once the `ready_buckets` of `every` are compiled: the runner pads a step to
+    those, and the others compile in the background (None: there are none)."""
+    ready = ready_buckets(every)
+    rest = [b for b in every if b not in ready]
+    if not rest:
+        return None
+    runner.num_tokens_paddings_per_dp = ready
+    _log().info("tpu-models: token buckets %s compiled; %s compile in the background "
+                "(until then a step pads to the next compiled one)", ready, rest)
+    return compile_in_background(runner, rest)
+
+
+def unfused_programs_at_first_use() -> None:
+    """Said in the log where EAGLE-3's unfused programs are left to compile at first use."""
+    _log().info("tpu-models: EAGLE-3's unfused programs (for steps with logprobs or "
+                "penalties) compile when a step first needs them")
+
+
 class _RunnerView:
     """The runner as the background compiler sees it: the buckets left, and the KV
     caches as shapes (the engine donates the real ones at every step)."""
@@ -83,12 +190,11 @@ def compile_in_background(runner, rest: list[int]) -> threading.Thread:
     """Compiles the token buckets `rest` of the runner's step on a thread of low
     priority, each added to the runner's buckets once compiled."""
     import jax
-    from tpu_inference.logger import init_logger
     from tpu_inference.runner.compilation_manager import CompilationManager, _describe_signature
 
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           runner.kv_caches)
-    log = init_logger("tpu_models.adapt")
+    log = _log()
     # An engine in the caller's process (vllm.LLM in-process, Tunix's rollouts) shares
     # its output with the caller's script: the background's lines go to debug there.
     level = logging.DEBUG if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else logging.INFO
@@ -138,3 +244,16 @@ def compile_in_background(runner, rest: list[int]) -> threading.Thread:
 def _stopped(stop: threading.Event, thread: threading.Thread) -> None:
     stop.set()
     thread.join()
+
+
+def hashed_by_their_trees(key_class):
+    """Mosaic lowering's cache key class (`key_class`), its hash also taking the pytrees
+    of its parameters (a DMA's), so that a kernel's DMAs hash apart."""
+    from jax.tree_util import PyTreeDef
+
+    class PallasLoweringCacheKey(key_class):
+        def __hash__(self):
+            trees = tuple(str(v) for _, v in self.params if isinstance(v, PyTreeDef))
+            return hash((super().__hash__(), trees))
+
+    return PallasLoweringCacheKey

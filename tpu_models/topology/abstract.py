@@ -2,15 +2,20 @@
 libtpu, every array a shape, every program compiled and none run.
 
 The devices are the slice's as libtpu describes it (jax.experimental.topologies),
-with no chip behind them (`slice_devices`). Every array the start-up would
-allocate (weights, KV cache, host inputs, precompilation's dummy tensors) is an
-abstract buffer (accounting.buffer). The model is built as the loader builds one
+with no chip behind them (`slice_devices`): the worker takes jax.devices(), and
+kernels read its device kind. Every array the start-up would allocate (weights, KV
+cache, host inputs, precompilation's dummy tensors) is an abstract buffer
+(accounting.buffer), and HBM in use is what those hold (`hbm_usage`: the KV budget
+is HBM less what the weights take). The model is built as the loader builds one
 whose weights it will load (`build_model`). Each program precompilation names is
 lowered and compiled by libtpu and kept (`compile_program`); a function that is
 no jit (the rejection sampler, EAGLE-3's drafter) is called as the warm-up pass
 calls it, with shapes (`warm_up`): every jit it calls compiles for the slice, as
-on a TPU, and answers shapes (`compiled_for_the_slice`). adapt.topology installs
-these in `tpu-models compile`'s process only.
+on a TPU, and answers shapes (`compiled_for_the_slice`). An array made eagerly
+under the slice's mesh (jnp.ones) is made on the host (`JaxEagerOnHost`), and
+EAGLE-3's drafter, which borrows the target's embedding if its own is all zeros,
+is answered by its checkpoint (`draft_embedding_answered`). adapt.topology
+installs these in `tpu-models compile`'s process only.
 """
 
 import contextlib
@@ -22,8 +27,8 @@ import time
 
 from tpu_models.topology import costs
 from tpu_models.topology.accounting import (
-    DRAFT_WEIGHTS, KEEP_HLO_TEXT, LOWERED, PENDING, PROGRAMS, WEIGHTS, Program, buffer,
-    transient_bytes)
+    DRAFT_WEIGHTS, HOST_INPUTS, KEEP_HLO_TEXT, KV_CACHE, LOWERED, PENDING, PROGRAMS, WEIGHTS,
+    WORKER, Program, buffer, bytes_on, transient_bytes)
 
 _devices: list = []
 # The warm-up call under way (`calls_compile`): its task, mesh, what its outputs hold.
@@ -52,9 +57,43 @@ def slice_devices() -> list:
     return _devices
 
 
-def warm_up_mesh():
-    """The mesh of the warm-up call under way, or None."""
-    return WARMING[1] if WARMING else None
+def local_slice_devices(process_index: int) -> list:
+    """The slice's devices of one process."""
+    return [d for d in slice_devices() if d.process_index == process_index]
+
+
+def hbm_usage(devices) -> list[tuple[int, int]]:
+    """Each device's (bytes in use, HBM), as tpu_inference.utils.hbm_usage_bytes
+    answers: the live abstract buffers' bytes (accounting.bytes_on), against the
+    worker's own table of HBM per device kind."""
+    from tpu_inference import utils
+    limit = utils.get_device_hbm_limit()
+    return [(bytes_on(d), limit) for d in devices]
+
+
+def kv_cache_allocator(cache_shape, cache_dtype, sharding):
+    """An allocator of one KV cache (as tpu-inference's): an abstract buffer."""
+    import jax
+    return lambda: buffer(jax.ShapeDtypeStruct(cache_shape, cache_dtype), sharding, KV_CACHE)
+
+
+def device_put(tensor, sharding):
+    """Host inputs put on the slice's devices (general_device_put): abstract buffers. A
+    sharding that is a PartitionSpec (or None) is on the current mesh, or the mesh of
+    the warm-up call under way."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    if not isinstance(sharding, jax.sharding.Sharding):
+        mesh = jax.sharding.get_mesh()
+        if mesh.empty and WARMING:
+            mesh = WARMING[1]
+        sharding = NamedSharding(mesh, sharding or PartitionSpec())
+    return jax.tree.map(lambda x: buffer(x, sharding, HOST_INPUTS), tensor)
+
+
+def keep_worker(worker) -> None:
+    """The worker, kept for the report (accounting.WORKER)."""
+    WORKER[:] = [worker]
 
 
 def build_model(model_class, vllm_config, rng, mesh, is_draft_model=False):
@@ -207,6 +246,23 @@ def calls_compile(task: Program, mesh, holds: str | None = None):
         WARMING.clear()
 
 
+def unsafe_call_compiling(build):
+    """MeshExecutable.unsafe_call's getter (`build`: upstream's), whose call during a
+    warm-up call with abstract arguments compiles for the slice
+    (`compiled_for_the_slice`) rather than run."""
+    def unsafe_call(executable):
+        if not WARMING:
+            return build(executable)
+
+        def call(*args):
+            outputs = compiled_for_the_slice(executable, args)
+            return build(executable)(*args) if outputs is None else outputs
+
+        return call
+
+    return unsafe_call
+
+
 def compiled_for_the_slice(executable, args) -> list | None:
     """A compiled executable's call during a warm-up call with abstract arguments:
     kept as the task's program, answered with abstract outputs. None: run it."""
@@ -267,6 +323,19 @@ class EmbeddingAnswers:
 
     def array_equal(self, a, b, *args, **kwargs):
         return False if self._shapes_only(a, b) else self.real.array_equal(a, b, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def draft_embedding_answered(eagle3, draft: str):
+    """While EAGLE-3's drafter loads (`eagle3`: tpu-inference's module): its check of
+    whether the draft's embedding is all zeros, which reads values absent here, answered
+    by the draft's checkpoint (`draft`: its path)."""
+    answers = EmbeddingAnswers(eagle3.jnp, ships_embedding(draft))
+    eagle3.jnp = answers
+    try:
+        yield
+    finally:
+        eagle3.jnp = answers.real
 
 
 def ships_embedding(draft: str) -> bool:
