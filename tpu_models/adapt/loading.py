@@ -1,8 +1,6 @@
 """tpu-inference's weight loader: each tensor read and converted in one pass.
 
-A weight marked with its served dtype (off_tpu.mark, through runtime.SEAM) is
-read once into XLA's memory and rearranged and cast by one compiled transpose;
-why, and what takes upstream's path: tpu_models.off_tpu.
+Which weights, and why: tpu_models.off_tpu (`mark`, through runtime.SEAM).
 """
 
 from tpu_models import off_tpu

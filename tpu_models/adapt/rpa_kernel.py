@@ -8,7 +8,7 @@ import importlib
 from tpu_models import kernels
 from tpu_models.adapt.guard import OFF_TPU, RPA_INTERPRET, RPA_PATH, Patch, Target
 from tpu_models.host import attention_mode
-from tpu_models.kernels import rpa_interpret, rpa_reference
+from tpu_models.kernels import rpa_interpret
 
 INTERFACE = "tpu_inference.layers.common.attention_interface"
 KERNELS = "tpu_inference.kernels.ragged_paged_attention.v3"
@@ -32,38 +32,24 @@ def interpreter_reads_transformed_refs() -> None:
 def kernel_off_tpu() -> None:
     # Not a replacement by the guard: chosen by TPU_MODELS_ATTENTION, and set up
     # before JAX opens its CPU backend (kernels.programs_run_inline).
-    mode = attention_mode()
-    if mode not in ("rpa-reference", "rpa-interpret"):
-        return
-    kernels.programs_run_inline(mode)
-    interface = importlib.import_module(INTERFACE)
-    v3 = importlib.import_module(f"{KERNELS}.kernel")
-    hd64 = importlib.import_module(f"{KERNELS}.kernel_hd64")
-    if mode == "rpa-interpret":
-        interface.ragged_paged_attention = rpa_interpret.interpreted(v3, "ragged_paged_attention")
-        interface.ragged_paged_attention_hd64 = rpa_interpret.interpreted(
-            hd64, "ragged_paged_attention_hd64")
-        return
-    interface.ragged_paged_attention = rpa_reference.by_reference(v3.ref_ragged_paged_attention)
-    interface.ragged_paged_attention_hd64 = rpa_reference.by_reference(
-        hd64.ref_ragged_paged_attention_hd64)
+    if (mode := attention_mode()) in ("rpa-reference", "rpa-interpret"):
+        interface = importlib.import_module(INTERFACE)
+        (interface.ragged_paged_attention,
+         interface.ragged_paged_attention_hd64) = kernels.rpa_kernels(mode)
 
 
-_KERNEL = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
-           "use_causal_mask update_kv_cache skip_kv_mask sm_scale sliding_window soft_cap "
-           "out_dtype mask_value q_scale k_scale v_scale chunk_prefill_size d_block_sizes "
-           "p_block_sizes m_block_sizes vmem_limit_bytes debug_mode disable_bounds_checks "
-           "disable_semaphore_checks")
-_REFERENCE = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
-              "use_causal_mask skip_kv_mask sm_scale sliding_window soft_cap out_dtype "
-              "mask_value q_scale k_scale v_scale")
-_KERNEL_HD64 = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
-                "attention_sink sm_scale sliding_window soft_cap mask_value q_scale k_scale "
-                "v_scale chunk_prefill_size num_kv_pages_per_block num_queries_per_block "
-                "vmem_limit_bytes debug_mode")
-_REFERENCE_HD64 = ("queries keys values kv_cache kv_lens page_indices cu_q_lens distribution "
-                   "attention_sink sm_scale sliding_window soft_cap mask_value q_scale k_scale "
-                   "v_scale")
+_BATCH = "queries keys values kv_cache kv_lens page_indices cu_q_lens distribution"
+_KERNEL = (f"{_BATCH} use_causal_mask update_kv_cache skip_kv_mask sm_scale sliding_window "
+           "soft_cap out_dtype mask_value q_scale k_scale v_scale chunk_prefill_size "
+           "d_block_sizes p_block_sizes m_block_sizes vmem_limit_bytes debug_mode "
+           "disable_bounds_checks disable_semaphore_checks")
+_REFERENCE = (f"{_BATCH} use_causal_mask skip_kv_mask sm_scale sliding_window soft_cap "
+              "out_dtype mask_value q_scale k_scale v_scale")
+_KERNEL_HD64 = (f"{_BATCH} attention_sink sm_scale sliding_window soft_cap mask_value q_scale "
+                "k_scale v_scale chunk_prefill_size num_kv_pages_per_block "
+                "num_queries_per_block vmem_limit_bytes debug_mode")
+_REFERENCE_HD64 = (f"{_BATCH} attention_sink sm_scale sliding_window soft_cap mask_value "
+                   "q_scale k_scale v_scale")
 PATCHES = [
     Patch("Pallas TPU interpreter reads reshaped and bitcast refs", RPA_INTERPRET, (
         Target(f"{INTERPRETER}.get", "token device_id local_core_id memory_space buffer_id "

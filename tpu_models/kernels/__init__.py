@@ -13,7 +13,8 @@ kernel is what a TPU runs, and the kernel is
   bitcasts): its block sizes, DMAs and double buffering too;
 - rpa-reference: tpu-inference's own reference of it, on the host
   (`rpa_reference`).
-Either runs its programs inline (`programs_run_inline`).
+Either runs its programs inline (`programs_run_inline`); `rpa_kernels` gives both
+kernels (head_dim 64 and others) of a mode.
 """
 
 
@@ -30,3 +31,20 @@ def programs_run_inline(mode: str) -> None:
         raise RuntimeError(f"TPU_MODELS_ATTENTION={mode} must be set up before JAX "
                            "opens its CPU backend")
     jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def rpa_kernels(mode: str):
+    """(ragged_paged_attention, ragged_paged_attention_hd64) of TPU_MODELS_ATTENTION=
+    `mode` (rpa-interpret or rpa-reference), with the Pallas kernels' signatures."""
+    import importlib
+
+    from tpu_models.kernels import rpa_interpret, rpa_reference
+    programs_run_inline(mode)
+    kernels = "tpu_inference.kernels.ragged_paged_attention.v3"
+    v3 = importlib.import_module(f"{kernels}.kernel")
+    hd64 = importlib.import_module(f"{kernels}.kernel_hd64")
+    if mode == "rpa-interpret":
+        return (rpa_interpret.interpreted(v3, "ragged_paged_attention"),
+                rpa_interpret.interpreted(hd64, "ragged_paged_attention_hd64"))
+    return (rpa_reference.by_reference(v3.ref_ragged_paged_attention),
+            rpa_reference.by_reference(hd64.ref_ragged_paged_attention_hd64))
