@@ -38,6 +38,20 @@ def is_object_storage(uri: str) -> bool:
     return str(uri).lower().startswith(SCHEMES)
 
 
+def refuse_an_unfinished_export(model) -> None:
+    """Raises CheckpointError, naming the prefix and each fault, where `model` (an
+    object-storage prefix, or a local directory: a copy of one) is an export that
+    `tpu-models export` left unfinished (export_marker). Our model classes check the
+    markers when they open the checkpoint; tpu-inference's own classes (a plain Qwen3
+    export) never looked, and were served. vLLM builds a ModelConfig for every model
+    it serves (the target, a speculative draft) and pulls an object-storage model's
+    config.json and tokenizer there, before any weight is read: the seam calls this
+    at that point, for every architecture, under plain `vllm serve` as under
+    `tpu-models serve`."""
+    if is_object_storage(str(model)) or os.path.isdir(model):
+        export_marker.check_export_complete(model, CheckpointError)
+
+
 class ObjectStorageCheckpoint:
     """The safetensors files under `uri` and the tensors in them (as HfCheckpoint's)."""
 

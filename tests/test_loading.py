@@ -1,7 +1,10 @@
-"""Weights converted in one pass (tpu_models/adapt/loading.py) against tpu-inference's
-own loader: the same values, dtypes and shapes, bit for bit, for every rearrangement
-its default loader makes (linear, attention projections, embeddings, norms), the
-vocabulary padding it alone handles, and tensors it must leave to upstream."""
+"""Weights converted in one pass (tpu_models/off_tpu.py, in the loader by
+tpu_models/adapt/loading.py) against tpu-inference's own loader: the same values,
+dtypes and shapes, bit for bit, for every rearrangement its default loader makes
+(linear, attention projections, embeddings, norms), the vocabulary padding it
+alone handles, and tensors it must leave to upstream."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +40,9 @@ def patched(monkeypatch):
 
     monkeypatch.setattr(off_tpu, "arranged", counted)
     original = weight_utils.load_nnx_param_from_reshaped_torch
-    monkeypatch.setattr(weight_utils, "load_nnx_param_from_reshaped_torch", original)
-    monkeypatch.setattr(loading, "_installed", False)
+    monkeypatch.setattr(weight_utils, "load_nnx_param_from_reshaped_torch",
+                        functools.partial(loading.load_in_one_pass, original))
     monkeypatch.setattr(logs, "WIDENED_BY_LOADER", set())
-    loading.one_pass_conversion()
-    assert loading.installed()
     with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("model",))):
         yield original, weight_utils.load_nnx_param_from_reshaped_torch, passes
 
@@ -62,7 +63,7 @@ def test_one_pass_loading_equals_upstreams(patched, source, served):
         dtype = jnp.float32 if served == torch.float32 else jnp.bfloat16
         want, want_dtype = _loaded(upstream, tensor.to(served), param_shape, dtype, reshape,
                                    permute, name)
-        got, got_dtype = _loaded(ours, loading.mark(name, tensor.clone(), served), param_shape,
+        got, got_dtype = _loaded(ours, off_tpu.mark(name, tensor.clone(), served), param_shape,
                                  dtype, reshape, permute, name)
         assert got_dtype == want_dtype and got.shape == want.shape == param_shape, name
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=name)
@@ -73,11 +74,11 @@ def test_unmarked_and_unusual_tensors_take_upstreams_path(patched):
     upstream, ours, passes = patched
     tensor = torch.randn(48, 96)
     for weight in (tensor.clone(),  # not marked: no cast, upstream's conversion
-                   loading.mark("w", tensor.t().contiguous().t(), torch.float32),  # not contiguous
-                   loading.mark("w", tensor.to(torch.float8_e4m3fn), torch.float32)):  # 8 bits
-        want, want_dtype = _loaded(upstream, weight if not hasattr(
-            weight, loading._ATTRIBUTE) else weight.to(torch.float32), (96, 48), jnp.float32,
-            None, None, "w")
+                   off_tpu.mark("w", tensor.t().contiguous().t(), torch.float32),  # not contiguous
+                   off_tpu.mark("w", tensor.to(torch.float8_e4m3fn), torch.float32)):  # 8 bits
+        marked = hasattr(weight, off_tpu.SERVED_DTYPE_ATTRIBUTE)
+        want, want_dtype = _loaded(upstream, weight.to(torch.float32) if marked else weight,
+                                   (96, 48), jnp.float32, None, None, "w")
         got, got_dtype = _loaded(ours, weight, (96, 48), jnp.float32, None, None, "w")
         assert got_dtype == want_dtype
         np.testing.assert_array_equal(got, want)

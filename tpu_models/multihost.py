@@ -5,7 +5,11 @@ RayDistributedExecutorV2, one Ray worker a host holding all its chips, one JAX
 program over every host's devices). On a TPU slice libtpu joins the hosts' JAX
 processes. Off-TPU nothing does, so each worker joins JAX's distributed runtime
 itself (gloo collectives) at the coordinator named in its environment
-(`join_jax_processes`, called by the seam when a worker is built).
+(`join_jax_processes`, called by the seam when a worker is built). The rest of
+what a slice has and CPU hosts do not is here too: each host's own CPU device to
+stage weights on (`this_hosts_cpu_mesh`), and its own entries in JAX's
+compilation cache (`caches_its_own_programs`). A host lost mid-generation stops
+the engine, naming the host (`note_lost_host`, `stopping_the_engine`).
 
 `LocalHosts` starts N Ray nodes on this machine, each a "host" whose processes see
 their own CPU devices, so that `tpu-models serve --local-hosts N` runs the same
@@ -15,8 +19,10 @@ Standard library only at import: `tpu-models serve` reads the names below before
 it imports vLLM.
 """
 
+import functools
 import os
 import re
+import signal
 import socket
 
 # The executor tpu-inference picks for serving across hosts.
@@ -202,6 +208,59 @@ def join_jax_processes(rank: int, env=os.environ) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(hosts), process_id=rank)
+
+
+@functools.cache
+def this_hosts_cpu_mesh():
+    """The mesh tpu-inference's loader stages each weight on ("the CPU") before
+    sharding it: on a TPU host that backend is this process's alone, but off-TPU
+    across hosts the CPU is the joined one and its first device belongs to the
+    first host. This process's own first CPU device instead."""
+    import jax
+    from jax.sharding import Mesh
+    return Mesh(jax.local_devices(backend="cpu")[:1], ("cpu", ))
+
+
+def note_lost_host(handles) -> None:
+    """Logs and records (`record_lost`) which host was lost, from the executor's
+    worker handles, before its shutdown kills the other hosts' workers too."""
+    from tpu_inference.logger import init_logger
+    message = f"lost {lost_hosts(handles)}: its worker died"
+    init_logger("tpu_models.multihost").error(
+        "tpu-models: %s; the engine stops, requests in flight fail and the server exits",
+        message)
+    record_lost(message)
+
+
+def stopping_the_engine(callback):
+    """vLLM's failure callback, then this (the engine's) process stopped. vLLM's
+    monitor sees a worker die and shuts the executor down, but the engine's step
+    goes on waiting for the lost host's reply (a socket read with no timeout): the
+    server hung, healthy, with its requests in flight. Stopped, the engine lets the
+    API server fail its requests and exit, naming the host (`lost_message`)."""
+    def stop():
+        callback()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return stop
+
+
+def caches_its_own_programs(compile_time_secs: float) -> bool:
+    """Whether this host writes a program it compiled to JAX's persistent cache itself
+    (`cache_program`). JAX writes from its first process only, and another process's
+    cache keys differ from the first's: every other host compiled every program at
+    every start. Off-TPU the local hosts share one disk, and each writes entries under
+    keys of its own (those compiled faster than the cache's threshold are not kept)."""
+    from jax._src import config, distributed
+    return (serving_across_hosts() and distributed.global_state.process_id != 0
+            and compile_time_secs >= config.persistent_cache_min_compile_time_secs.value)
+
+
+def cache_program(cache_key, module_name, executable, backend, compile_time_secs) -> None:
+    """Writes a compiled program to JAX's persistent cache under this process's key."""
+    from jax._src import compilation_cache
+    compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                              int(compile_time_secs))
 
 
 if __name__ == "__main__":

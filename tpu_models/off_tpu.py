@@ -1,10 +1,25 @@
 """Serving off-TPU: what a TPU answers that another JAX backend (XLA:CPU) must.
 
-The KV cache's budget from the host's memory (`kv_cache_budget`), memory in use
-from the live arrays (`memory_in_use`), host inputs copied before the step reads
-them (`copied`, `put_copies`), argmax as two reductions (`first_max`), and a
-weight rearranged and cast in one compiled pass (`arranged`). The seam
+libtpu ships with tpu-inference, so vLLM picks its TPU platform on any host;
+with JAX_PLATFORMS=cpu (or cuda) the engine then runs on that JAX backend until
+one of its TPU-only assumptions stops it, or lets it run and return wrong tokens
+(host inputs). Here is what answers them instead: a mesh of devices without TPU
+coordinates (`mesh_by_device_id`); the KV cache's budget from the host's memory
+(`kv_cache_budget`, said in the log by `worker_kv_cache_budget`), memory in use
+from the live arrays (`memory_in_use`); host inputs copied before the step reads
+them (`copied`, `put_copies`); argmax as two reductions (`first_max`); and a
+weight read once from the checkpoint and rearranged and cast in one compiled
+pass (`mark`, `converted_in_one_pass`, `arranged`). The seam
 (adapt.host_portability, adapt.loading) puts these where tpu-inference asks a TPU.
+
+The one pass: serving a bf16 checkpoint in float32 copied every weight three
+times, our cast (runtime.in_dtype, torch), tpu-inference's transposing
+`contiguous()` (torch, one thread, across cache lines) and `jnp.asarray` into
+XLA's memory: 2.6 s of a 0.6B model's 3.9 s of loading on two cores. A weight
+that reaches the default loader (`load_nnx_param_from_reshaped_torch`, no
+quantization hook) with a served dtype marked on it (`mark`) is read once from
+the checkpoint into XLA's memory in its own dtype, and rearranged and cast by one
+compiled transpose (tiled, every core). Anything else takes upstream's path.
 """
 
 import functools
@@ -17,6 +32,20 @@ KV_CACHE_SHARE, KV_CACHE_SHARE_OF_AVAILABLE = 0.2, 0.5
 # so 20% of a 24 GB host (4.8 GB of cache) met the OOM killer at the first prompts.
 # There the cache holds two requests at --max-model-len, and at least 32 MiB.
 INTERPRETED_KV_CACHE_BYTES, INTERPRETED_REQUESTS = 32 << 20, 2
+
+
+# The attribute of a checkpoint tensor that holds its served dtype (`mark`).
+SERVED_DTYPE_ATTRIBUTE = "_tpu_models_served_dtype"
+
+
+def mesh_by_device_id(axis_shapes, axis_names, devices=None):
+    """A mesh over `devices` (else all of JAX's) in the order of their ids:
+    tpu-inference's sorts them by `.coords`, which only TPU devices have."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    devices = sorted(devices if devices is not None else jax.devices(), key=lambda d: d.id)
+    return Mesh(np.asarray(devices).reshape(axis_shapes), axis_names)
 
 
 @functools.cache
@@ -56,6 +85,38 @@ def kv_cache_budget(cache_config, request_bytes: int = 0) -> int:
     share = int(min(memory.total * KV_CACHE_SHARE, memory.available * KV_CACHE_SHARE_OF_AVAILABLE))
     quantum = 2**30 if share >= 2**30 else 2**28
     return max(quantum, share - share % quantum)
+
+
+def worker_kv_cache_budget(worker) -> int:
+    """The KV cache's budget of tpu-inference's TPUWorker `worker` on this host
+    (`kv_cache_budget`), said in the log with how to set it."""
+    from tpu_inference.logger import init_logger
+
+    from tpu_models.host import attention_mode, host_platform
+    log = init_logger("tpu_models.off_tpu")
+    request = sum(spec.max_memory_usage_bytes(worker.vllm_config)
+                  for spec in worker.get_kv_cache_spec().values())
+    budget = kv_cache_budget(worker.cache_config, request)
+    platform = host_platform()
+    if worker.cache_config.kv_cache_memory_bytes:
+        log.info("tpu-models: KV cache budget on this %s host: %.2f GiB", platform,
+                 budget / 2**30)
+    elif attention_mode() == "rpa-interpret":
+        log.warning("tpu-models: KV cache budget %d MiB: the Pallas interpreter copies the "
+                    "whole cache at every call (set it with --kv-cache-memory-bytes)",
+                    budget >> 20)
+    else:  # a guess: say how to choose
+        log.warning("tpu-models: KV cache budget on this %s host: %.2f GiB, %d%% of its "
+                    "memory in whole GiB (set it with --kv-cache-memory-bytes)",
+                    platform, budget / 2**30, KV_CACHE_SHARE * 100)
+    return budget
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of the host's memory, which its devices share."""
+    import psutil
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total
 
 
 def memory_in_use(devices) -> list[tuple[int, int]]:
@@ -138,3 +199,58 @@ def argmax_lowering():
     from jax import lax
     from jax.interpreters import mlir
     return lax.argmax_p, mlir.lower_fun(first_max, multiple_results=False)
+
+
+def mark(name: str, tensor, dtype):
+    """Checkpoint tensor `name` to be cast to `dtype` (a torch dtype) by the loader,
+    in its one pass (vLLM's warning about its dtype is then no news: logs)."""
+    from tpu_models import logs
+    logs.WIDENED_BY_LOADER.add(name)
+    setattr(tensor, SERVED_DTYPE_ATTRIBUTE, dtype)
+    return tensor
+
+
+def as_marked(tensor):
+    """`tensor` cast to the dtype marked on it (`mark`); unmarked, as it is."""
+    served = getattr(tensor, SERVED_DTYPE_ATTRIBUTE, None)
+    return tensor if served is None else tensor.to(served)
+
+
+def _host_array(tensor):
+    """A numpy view of a contiguous CPU tensor (bf16 through ml_dtypes), or None."""
+    import ml_dtypes
+    import torch
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if tensor.dtype in (torch.float16, torch.float32):
+        return tensor.numpy()
+    return None
+
+
+def converted_in_one_pass(jax_param, torch_weight, reshape_dims, permute_dims):
+    """The value of `jax_param` from a marked `torch_weight` (`mark`), read once and
+    reshaped, permuted (default: a 2-D weight transposed, HF linear weights being
+    (out, in)) and cast as tpu-inference's loader does; None where upstream's path
+    must take it: unmarked, not a contiguous CPU float tensor, or of another shape
+    once arranged (vocabulary padding)."""
+    served = getattr(torch_weight, SERVED_DTYPE_ATTRIBUTE, None)
+    host = None if served is None else _host_array(torch_weight)
+    shape = tuple(reshape_dims or torch_weight.shape)
+    if permute_dims is None and len(shape) == 2:
+        permute_dims = (1, 0)
+    perm = None if permute_dims is None else tuple(permute_dims)
+    arranged_shape = shape if perm is None else tuple(shape[p] for p in perm)
+    if host is None or arranged_shape != tuple(jax_param.get_value().shape):
+        return None
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.layers.common import utils as common
+    from tpu_inference.utils import to_jax_dtype
+    with common.cpu_mesh_context():
+        # On the CPU mesh by name: across hosts, sharding it reads its pieces there.
+        x = jax.device_put(host, NamedSharding(common.cpu_mesh(), PartitionSpec()))
+        value = arranged(x, shape, perm, to_jax_dtype(served))
+        value.block_until_ready()  # a streamed tensor's buffer is refilled next
+    return value

@@ -15,7 +15,7 @@ def register() -> None:
 
     from vllm.reasoning import ReasoningParserManager
 
-    from tpu_models import adapt, features, registry, runtime
+    from tpu_models import adapt, features, off_tpu, registry, runtime
     from tpu_models.adapt import loading
     from tpu_models.attention import PortableAttentionBackend
     from tpu_models.sampler import requests
@@ -26,7 +26,7 @@ def register() -> None:
         runtime.SEAM.build_checks += [
             features.require,  # features whose adaptation cannot apply here
             lambda config, _model: requests.check_server_defaults(config)]
-    runtime.SEAM.cast_by_loader = loading.mark if loading.installed() else None
+    runtime.SEAM.cast_by_loader = off_tpu.mark if loading.installed() else None
     for arch in registry.architectures():
         if arch.model is None or arch.hf_name in _MODEL_REGISTRY:
             continue

@@ -11,7 +11,8 @@ weights, then copies the trainer's state into the engine through a
 `MappingConfig` at load and after every step. Its own copy maps one trainer
 leaf onto one engine leaf; Gemma 3's trainer fuses k and v (`kv_einsum`), so
 `RolloutMapping.sync` does the copy instead (the seam routes it there:
-tpu_models.adapt.tunix_rollout), from the tables the exporter already uses:
+tpu_models.adapt.tunix_rollout; what else it changes of Tunix's sampler:
+tpu_models.tunix_sampler), from the tables the exporter already uses:
 
     trainer leaf --Rule (loaders/tunix.py, <arch>/checkpoints.py)--> HF tensor
                  --our kernel's layout (its einsum)--------------> engine leaf
@@ -50,8 +51,7 @@ from tunix.generate.mappings import MappingConfig  # noqa: E402
 
 from tpu_models import registry  # noqa: E402
 from tpu_models.loaders.conversion_rules import expand  # noqa: E402
-
-from tpu_models.adapt.tunix_rollout import ADAPTER_ID  # noqa: E402
+from tpu_models.tunix_sampler import ADAPTER_ID  # noqa: E402
 
 LORA_MODES = ("slots", "merged")
 

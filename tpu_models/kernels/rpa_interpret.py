@@ -8,8 +8,8 @@ assumes every transform is an indexer, while RPA v3 reshapes its refs (the
 paged KV cache as `pages * page_size` rows) and bitcasts them (packed bf16 and
 fp8 rows as uint32): on JAX 0.11.2 the first such access fails with
     AttributeError: 'ReshapeTransform' object has no attribute 'indices'
-Here the three callbacks are wrapped (`callbacks`; adapt.rpa_kernel installs
-them). Accesses whose transforms are all
+Here the three callbacks are wrapped (`callbacks`, `wrapped_callbacks`;
+adapt.rpa_kernel installs them). Accesses whose transforms are all
 indexers run the original callbacks unchanged. A reshape that merges leading
 axes followed by an index inside one of its rows (RPA's paged DMAs) is folded
 into an indexer on the unreshaped buffer. Anything else (small VMEM scratch
@@ -302,3 +302,16 @@ def callbacks(get, store, swap):
     refs."""
     return _make_get(get), _make_store(get, store), _make_swap(get, store, swap)
 
+
+def wrapped_callbacks(interpreter):
+    """What to put in place of the `interpreter` module's (get, store, swap): `callbacks`
+    of its originals, each in the interpreter's `fail_on_exception` wrapper. It looks
+    them up at call time: `functools.partial(get, ...)` for loads and stores,
+    `get.__wrapped__` and `store.__wrapped__` for DMAs."""
+    import jax
+    if jax.__version__ != JAX_VERSION:  # host.attention_mode refuses it first
+        raise RuntimeError(f"rpa-interpret adapts JAX {JAX_VERSION}'s interpreter, this is "
+                           f"{jax.__version__}")
+    get, store, swap = callbacks(interpreter.get.__wrapped__, interpreter.store.__wrapped__,
+                                 interpreter.swap.__wrapped__)
+    return tuple(interpreter.fail_on_exception(f) for f in (get, store, swap))
