@@ -106,6 +106,16 @@ START_CHECKS = Feature("start-up mistakes named in one line", lambda *_: False, 
 LOG = Feature("a truthful weight-loading time in the log", lambda *_: False, "")
 
 
+ACROSS_HOSTS = Feature(
+    "serving across hosts (TPU_MULTIHOST_BACKEND=ray; tpu-models serve --local-hosts)",
+    lambda *_: _across_hosts(), "serve on one host")
+
+
+def _across_hosts() -> bool:
+    from tpu_models.multihost import serving_across_hosts
+    return serving_across_hosts()
+
+
 def host_platform_set() -> bool:
     from tpu_models.host import host_platform
     return host_platform() is not None
@@ -134,4 +144,4 @@ def require(vllm_config, model_class: type) -> None:
 FEATURES = (OFF_TPU_HOST, LORA, HYBRID_KV, EAGLE3, GUIDED, GUIDED_WITH_DRAFTS, SAMPLING_CHECKS,
             LOGPROBS_ZERO, LOGPROBS_WITH_DRAFTS, SAMPLER_EXTRAS, IN_PROCESS, RPA_PATH,
             RPA_INTERPRET, STARTUP, SPEC_FUSION, EXPORT_MARKERS, KV_BUDGET, COMPILE_ONLY,
-            TUNIX_ROLLOUTS, LOGPROBS_IN_PIECES, START_CHECKS, LOG)
+            TUNIX_ROLLOUTS, LOGPROBS_IN_PIECES, START_CHECKS, LOG, ACROSS_HOSTS)

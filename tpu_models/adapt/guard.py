@@ -18,11 +18,8 @@ import sys
 from collections.abc import Callable
 
 from tpu_models import features
-from tpu_models.features import (  # noqa: F401  re-exported for the adapt modules
-    COMPILE_ONLY, EAGLE3, EXPORT_MARKERS, GUIDED, GUIDED_WITH_DRAFTS, HYBRID_KV, IN_PROCESS,
-    KV_BUDGET, LOG, LOGPROBS_IN_PIECES, LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, LORA, OFF_TPU_HOST,
-    RPA_INTERPRET, RPA_PATH, SAMPLER_EXTRAS, SAMPLING_CHECKS, SPEC_FUSION, START_CHECKS, STARTUP,
-    TUNIX_ROLLOUTS, WRITTEN_FOR, AdaptationError, Feature, host_platform_set, refused, require)
+from tpu_models.features import (COMPILE_ONLY, OFF_TPU_HOST, WRITTEN_FOR, AdaptationError,
+                                 host_platform_set)
 
 OFF_TPU, EVERYWHERE = "off-TPU", "every platform"
 # Installed only in `tpu-models compile`'s process (tpu_models.host.compile_target).
@@ -100,7 +97,7 @@ def _calling_original(by: Callable, original: Callable) -> Callable:
 @dataclasses.dataclass(frozen=True)
 class Patch:
     name: str
-    feature: Feature
+    feature: features.Feature
     targets: tuple[Target, ...]
     why: str  # one line: what goes wrong without it
     test: str  # tests/FILE.py::TEST: fails without it, or (speed) checks its output

@@ -7,7 +7,8 @@ import importlib
 import os
 
 from tpu_models import off_tpu
-from tpu_models.adapt.guard import OFF_TPU, OFF_TPU_HOST, Patch, Target, rebind
+from tpu_models.adapt.guard import OFF_TPU, Patch, Target, rebind
+from tpu_models.features import OFF_TPU_HOST
 from tpu_models.host import attention_mode, host_platform
 
 

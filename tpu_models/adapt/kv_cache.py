@@ -1,7 +1,8 @@
 """KV cache: its budget as asked and beside the step, and sliding-window layers' groups."""
 
 from tpu_models import kv_cache
-from tpu_models.adapt.guard import HYBRID_KV, KV_BUDGET, Patch, Target, our_model
+from tpu_models.adapt.guard import Patch, Target, our_model
+from tpu_models.features import HYBRID_KV, KV_BUDGET
 
 
 def available_memory_as_asked(original, self) -> int:

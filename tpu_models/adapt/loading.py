@@ -5,7 +5,8 @@ Which weights, and why: tpu_models.off_tpu (`mark`, through runtime.SEAM).
 
 from tpu_models import off_tpu
 from tpu_models.adapt import guard
-from tpu_models.adapt.guard import OFF_TPU, STARTUP, Patch, Target
+from tpu_models.adapt.guard import OFF_TPU, Patch, Target
+from tpu_models.features import STARTUP
 
 WEIGHTS = "tpu_inference.models.jax.utils.weight_utils"
 

@@ -1,6 +1,7 @@
 """LoRA: --enable-lora on our models, adapters held in tpu_models.lora_slots's slots."""
 
-from tpu_models.adapt.guard import LORA, Patch, Target, our_model
+from tpu_models.adapt.guard import Patch, Target, our_model
+from tpu_models.features import LORA
 
 
 def load_model_with_adapter_slots(original, self, *args, **kwargs):

@@ -1,11 +1,8 @@
 """tpu-inference's Ray executor across hosts: off-TPU stand-ins for libtpu; a lost host."""
 
 from tpu_models import logs, multihost
-from tpu_models.adapt.guard import EVERYWHERE, OFF_TPU, Feature, Patch, Target
-
-ACROSS_HOSTS = Feature(
-    "serving across hosts (TPU_MULTIHOST_BACKEND=ray; tpu-models serve --local-hosts)",
-    lambda *_: multihost.serving_across_hosts(), "serve on one host")
+from tpu_models.adapt.guard import EVERYWHERE, OFF_TPU, Patch, Target
+from tpu_models.features import ACROSS_HOSTS
 
 
 def init_joining_jax_processes(original, self, vllm_config, local_rank, rank, *args,

@@ -6,14 +6,14 @@ For every model tpu-inference runs.
 import dataclasses
 import functools
 
-from tpu_models.adapt import guard
-from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS,
-                                    SAMPLING_CHECKS, Patch, Target)
+from tpu_models import features
+from tpu_models.adapt.guard import Patch, Target
+from tpu_models.features import LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS
 from tpu_models.sampler import requests
 
 
 def _served(feature) -> bool:
-    return feature.name not in guard.refused()
+    return feature.name not in features.refused()
 
 
 def refuse_what_is_ignored(params) -> None:

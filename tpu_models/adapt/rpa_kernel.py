@@ -6,7 +6,8 @@ What runs in the kernel's place, chosen by TPU_MODELS_ATTENTION: tpu_models.kern
 import importlib
 
 from tpu_models import kernels
-from tpu_models.adapt.guard import OFF_TPU, RPA_INTERPRET, RPA_PATH, Patch, Target
+from tpu_models.adapt.guard import OFF_TPU, Patch, Target
+from tpu_models.features import RPA_INTERPRET, RPA_PATH
 from tpu_models.host import attention_mode
 from tpu_models.kernels import rpa_interpret
 

@@ -9,8 +9,8 @@ import functools
 
 from tpu_models import logprobs
 from tpu_models.adapt import guard, state
-from tpu_models.adapt.guard import (LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, Patch,
-                                    Target)
+from tpu_models.adapt.guard import Patch, Target
+from tpu_models.features import LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS
 from tpu_models.sampler import metadata as extended_metadata
 from tpu_models.sampler import programs
 

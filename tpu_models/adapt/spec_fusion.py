@@ -1,7 +1,9 @@
 """Speculative steps: EAGLE-3 verification and drafting in one program per step, where allowed."""
 
-from tpu_models.adapt import guard, state
-from tpu_models.adapt.guard import SPEC_FUSION, Patch, Target
+from tpu_models import features
+from tpu_models.adapt import state
+from tpu_models.adapt.guard import Patch, Target
+from tpu_models.features import SPEC_FUSION
 from tpu_models.speculative import steps
 
 RUNNER = "tpu_inference.runner.tpu_runner"
@@ -11,7 +13,7 @@ MANAGER = "tpu_inference.runner.speculative_decoding_manager"
 
 def fuses(runner) -> bool:
     """Whether the runner's EAGLE-3 steps run as one program: this patch not refused."""
-    return SPEC_FUSION.name not in guard.refused() and steps.fusible(runner)
+    return SPEC_FUSION.name not in features.refused() and steps.fusible(runner)
 
 
 def sample_from_logits_fused(original, self, *args, **kwargs):
