@@ -31,7 +31,8 @@ def extract_lora_metadata_of_slots(original, self):
 
 
 async def check_load_lora_adapter_request_reading_it(original, self, request):
-    """OpenAIServingModels._check_load_lora_adapter_request: read and checked here first."""
+    """OpenAIServingModels._check_load_lora_adapter_request: on our models, an adapter
+    the slots cannot take refused here, by name (lora_slots.load_refusal)."""
     refused = await original(self, request)
     vllm_config = self.engine_client.vllm_config
     if refused is not None or vllm_config.lora_config is None or (

@@ -37,14 +37,16 @@ def load_weights_at_head_size(original, self, rng_key):
 
 
 def init_at_head_size() -> None:
-    """The draft's __init__ unpadded too, around the dtype's replacement (one a target)."""
+    """The draft's __init__, its heads unpadded: wrapped around the dtype patch's
+    replacement of it (the guard takes one replacement a target)."""
     from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
     EagleLlama3ForCausalLM.__init__ = draft.with_heads_at_their_size(
         EagleLlama3ForCausalLM.__init__)
 
 
 def draft_passes_on_live_rows() -> None:
-    """Eagle3Proposer._propose: a jit whose function speculative.fusion calls, so ours."""
+    """Eagle3Proposer._propose is a jit, whose function speculative.fusion calls:
+    ours is a jit too (speculative.draft.propose_jitted), not the guard's wrapper."""
     from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
     Eagle3Proposer._propose = draft.propose_jitted(Eagle3Proposer._propose.__wrapped__)
 
