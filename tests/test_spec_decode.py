@@ -157,7 +157,7 @@ def test_eagle3_draft_on_gemma3_matches_transformers(tmp_path):
 def test_the_eagle3_draft_computes_in_the_served_dtype():
     """tpu-inference 0.32.0 builds its EAGLE-3 draft computing in bfloat16 whatever
     --dtype says: served in float32, the draft's matmuls ran in bfloat16, which
-    XLA:CPU runs about 12x slower (adapt.speculative.drafts_in_the_served_dtype)."""
+    XLA:CPU runs about 12x slower (adapt.speculative.init_in_the_served_dtype)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -184,7 +184,7 @@ def test_the_eagle3_draft_computes_in_the_served_dtype():
 def test_the_eagle3_draft_places_its_logits_in_the_target_vocabulary():
     """EAGLE-3's draft vocabulary maps into the target's by id offsets (target id
     = draft id + d2t[draft id]); every target id without a draft id gets -inf.
-    adapt.speculative.draft_logits_gathered does this with a gather instead of
+    adapt.speculative.compute_logits_gathered does this with a gather instead of
     tpu-inference's scatter: checked against the mapping, in numpy, for a draft
     vocabulary smaller than the target's and offsets that reorder ids."""
     from types import SimpleNamespace

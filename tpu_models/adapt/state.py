@@ -45,8 +45,11 @@ class SeamState:
     # request id -> its draft tokens this step (the runner drops the scheduler
     # output before the grammar's rows are laid out).
     draft_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-    # spec_fusion.sample_from_logits: a fused EAGLE-3 step failed to trace or
-    # compile, so every later step runs tpu-inference's calls.
+    # structured_output.propose_draft_token_ids -> structured_output.take_draft_token_ids:
+    # the requests, in the batch's order, whose drafts were proposed last.
+    drafted_for: list[str] | None = None
+    # speculative.steps.sample_from_logits (adapt.spec_fusion): a fused EAGLE-3 step
+    # failed to trace or compile, so every later step runs tpu-inference's calls.
     unfused: bool = False
     # compilation.capture_model -> compilation._precompile_backbone_text_only: while
     # capture_model runs off-TPU, the token buckets compiled before the server is ready.

@@ -34,7 +34,7 @@ def prepare_structured_decoding_input(original, self, logits, grammar_output):
 def propose_draft_token_ids(original, self, *args, **kwargs):
     """SpeculativeDecodingManager.propose_draft_token_ids: the batch that drafted noted."""
     result = original(self, *args, **kwargs)
-    self.drafted_for = list(self.runner.input_batch.req_ids)
+    state.of(self.runner).drafted_for = list(self.runner.input_batch.req_ids)
     return result
 
 
@@ -44,7 +44,7 @@ def take_draft_token_ids(original, self):
     drafts = original(self)
     if drafts is None:
         return None
-    return guided.on_the_host(drafts, getattr(self, "drafted_for", None))
+    return guided.on_the_host(drafts, state.of(self.runner).drafted_for)
 
 
 _PROPOSE_DRAFTS = (
