@@ -57,7 +57,7 @@ class _DropMessages(logging.Filter):
         return not record.getMessage().startswith(self.prefixes)
 
 
-# Weights the loader itself widens to their parameter's dtype (adapt.loading marks them).
+# Weights the loader itself widens to their parameter's dtype (off_tpu.mark marks them).
 WIDENED_BY_LOADER: set[str] = set()
 
 
