@@ -201,7 +201,7 @@ class CausalLM(JaxModule, LoadableWithIterator):
     @classmethod
     def sliding_windows(cls, hf_config) -> list[int | None]:
         """Each layer's sliding window (None: full attention), for the KV-cache
-        specs the engine groups layers by (tpu_models.adapt.kv_cache)."""
+        specs the engine groups layers by (tpu_models.kv_cache)."""
         cfg = cls.config_class.from_hf_config(hf_config, dtype=jnp.float32)
         return [layer.sliding_window for layer in cfg.layers]
 

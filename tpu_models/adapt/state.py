@@ -51,16 +51,16 @@ class SeamState:
     # speculative.steps.sample_from_logits (adapt.spec_fusion): a fused EAGLE-3 step
     # failed to trace or compile, so every later step runs tpu-inference's calls.
     unfused: bool = False
-    # compilation.capture_model -> compilation._precompile_backbone_text_only: while
+    # compilation.ready_buckets_first -> compilation.ready_buckets_only: while
     # capture_model runs off-TPU, the token buckets compiled before the server is ready.
     ready_buckets: list[int] | None = None
-    # compilation.capture_model -> compilation._flush_compilations: while capture_model
-    # runs, its flushes wait for nothing (the workers' compiles overlap).
+    # compilation.ready_buckets_first -> compilation.flush_of_what_is_left: while
+    # capture_model runs, its flushes wait for nothing (the workers' compiles overlap).
     overlapped: bool = False
-    # compilation._run_compilation -> compilation._flush_compilations: the warm-up
+    # compilation.compiled_ahead_noted -> compilation.flush_of_what_is_left: the warm-up
     # tasks (by id) whose function compiled ahead on a worker, so not run.
     compiled_ahead: set[int] = dataclasses.field(default_factory=set)
-    # compilation.capture_model: the thread compiling the other buckets after ready.
+    # compilation.ready_buckets_first: the thread compiling the other buckets after ready.
     background: threading.Thread | None = None
 
 
