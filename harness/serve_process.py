@@ -21,7 +21,7 @@ STARTUP_TIMEOUT = 420  # seconds; a cold start on a 2-core host takes 1-2 minute
 # process about 1 GB, and a 24 GB host out of memory stalled every server on it.
 HEADROOM, MEMORY_WAIT = 3 << 30, 300
 # Off-TPU, token buckets past the smallest and largest compile after the server is
-# ready (tpu_models/adapt/compilation.py): its log says when they are all done.
+# ready (tpu_models/precompilation.py): its log says when they are all done.
 BACKGROUND = "compile in the background"
 SETTLED = "all token buckets compiled"
 # Plain vLLM's command line in this environment.
