@@ -63,9 +63,10 @@ class Target:
         return None
 
     def replace(self) -> None:
-        """Puts `by` at `path`, the original kept for it (`original`); a module's
-        function also where tpu_inference modules imported it by name."""
-        if self.path in ORIGINALS:  # installed already
+        """Puts `by` at `path`, handed what was there; a module's function also where
+        tpu_inference modules imported it by name. A later patch's replacement of the
+        same target wraps the earlier one's (adapt.MODULES' order)."""
+        if self.by in INSTALLED.get(self.path, ()):  # installed already
             return
         owner_path, name = self.path.rsplit(".", 1)
         try:
@@ -73,8 +74,10 @@ class Target:
         except ImportError:  # a class
             owner = Target(owner_path, "").resolve()
         raw = inspect.getattr_static(owner, name)
-        ORIGINALS[self.path] = raw.__func__ if isinstance(raw, classmethod) else getattr(owner, name)
-        replacement = _calling_original(self.by, ORIGINALS[self.path])
+        current = raw.__func__ if isinstance(raw, classmethod) else getattr(owner, name)
+        ORIGINALS.setdefault(self.path, current)
+        INSTALLED.setdefault(self.path, []).append(self.by)
+        replacement = _calling_original(self.by, current)
         if isinstance(raw, (staticmethod, classmethod)):
             replacement = type(raw)(replacement)
         if inspect.ismodule(owner):
@@ -82,8 +85,9 @@ class Target:
         setattr(owner, name, replacement)
 
 
-# Target path -> what was there before the seam replaced it.
+# Target path -> upstream's, before the seam replaced it; and our replacements there.
 ORIGINALS: dict[str, Callable] = {}
+INSTALLED: dict[str, list[Callable]] = {}
 
 
 def _calling_original(by: Callable, original: Callable) -> Callable:

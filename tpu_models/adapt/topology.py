@@ -53,8 +53,7 @@ def dummy_tensor_as_shape(original, self, shape, dtype, sharding=None):
     return abstract.dummy_tensor(self.runner.mesh, shape, dtype, sharding)
 
 
-# These two stand in this process for adapt.compilation's replacements of the same
-# targets (the guard installs one replacement per target: this feature's, installed first).
+# adapt.compilation's replacements of the same two targets wrap these (installed later).
 def compiled_not_run(original, self, name, fn, *args, call_kwargs=dict(), warmup_handler=None,
                      aot=True, compile_only=False, **kwargs):
     """CompilationManager._run_compilation: lowered and compiled for the slice, kept."""
