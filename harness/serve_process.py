@@ -24,6 +24,8 @@ HEADROOM, MEMORY_WAIT = 3 << 30, 300
 # ready (tpu_models/precompilation.py): its log says when they are all done.
 BACKGROUND = "compile in the background"
 SETTLED = "all token buckets compiled"
+# The first line of a failure's own report in a server's log.
+ROOT_CAUSE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|Error: ")
 # Plain vLLM's command line in this environment.
 PLAIN_VLLM = [str(Path(sys.executable).parent / "vllm"), "serve"]
 
@@ -58,11 +60,13 @@ class Server(ServeProcess):
 
     def __init__(self, model: str | None, *args: str, log: Path, env: dict | None = None,
                  command: list[str] | None = None, api_key: str | None = None,
-                 cwd: Path | None = None, settle: bool = True):
+                 cwd: Path | None = None, settle: bool = True, headroom: int = HEADROOM):
         """`settle`: `start` also waits for the token buckets that compile in the
         background (a benchmark measures a settled server); `startup_seconds` is
-        the time to /health either way."""
+        the time to /health either way. `headroom`: the memory the machine must have
+        available before it launches (a server larger than the default says so)."""
         super().__init__(log)
+        self.headroom = headroom
         self.settle = settle
         self.api_key = api_key
         if api_key:
@@ -80,7 +84,7 @@ class Server(ServeProcess):
 
     def launch(self) -> "Server":
         """Starts the process without waiting for it to serve (`start` waits)."""
-        wait_for_memory()
+        wait_for_memory(self.headroom)
         if self.fork_as and preloaded.forks(self.env):
             self.started = time.monotonic()
             self.process = preloaded.launch(self.argv, self.env, self.log_path, self.cwd,
@@ -140,7 +144,15 @@ class Server(ServeProcess):
         raise TimeoutError(f"no KV cache size logged after {timeout}s:\n{self.tail()}")
 
     def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.output().splitlines()[-lines:])
+        """The log's last lines, after its first error block when that came earlier:
+        an engine core's root cause is logged long before the API server's
+        generic "Engine core initialization failed" traceback that ends the log."""
+        log = self.output().splitlines()
+        last = log[-lines:]
+        first = next((i for i, line in enumerate(log) if ROOT_CAUSE.search(line)), None)
+        if first is None or first >= len(log) - lines:
+            return "\n".join(last)
+        return "\n".join([*log[first:first + 40], "[...]", *last])
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -29,6 +29,9 @@ ACROSS_HOSTS = ("--tensor-parallel-size", "4", *COMMON)
 # vLLM's data-parallel replicas on Ray nodes: one a host, tensor parallel 2 inside
 REPLICAS = ("--tensor-parallel-size", "2", "--data-parallel-size", "2",
             "--data-parallel-backend", "ray", *COMMON)
+# A local-hosts server is about 7 GB (below): it launches once that much is free
+# beside the other worker's tests.
+HEADROOM = 8 << 30
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,8 @@ def qwen3_server(models, tmp_path_factory):
     (each is about 7 GB: a worker of about 2 GB a host, the engine, Ray's processes)."""
     server = Server(models["qwen3"], *ACROSS_HOSTS, "--enable-lora", "--max-lora-rank", "8",
                     "--lora-modules", f"adapter={models['adapter']}",
-                    log=tmp_path_factory.mktemp("multihost-logs") / "qwen3.log")
+                    log=tmp_path_factory.mktemp("multihost-logs") / "qwen3.log",
+                    headroom=HEADROOM)
     with server:
         yield server
 
@@ -65,7 +69,8 @@ def test_data_parallel_replicas_on_two_local_hosts(models, tmp_path):
     """vLLM's data-parallel replicas on the Ray nodes, a replica each."""
     from tests.test_data_parallel import served_by_engine
 
-    with Server(models["qwen3"], *REPLICAS, log=tmp_path / "replicas.log") as server:
+    with Server(models["qwen3"], *REPLICAS, log=tmp_path / "replicas.log",
+                headroom=HEADROOM) as server:
         assert "replicas on 2 local hosts (Ray)" in server.output()  # the ready line
         reference = Reference(models["qwen3"])
         by_engine = {}
@@ -101,7 +106,8 @@ def check_across_hosts(server, model) -> None:
 
 
 def test_gemma3_across_two_local_hosts(models, tmp_path):
-    with Server(models["gemma3"], *ACROSS_HOSTS, log=tmp_path / "gemma3.log") as server:
+    with Server(models["gemma3"], *ACROSS_HOSTS, log=tmp_path / "gemma3.log",
+                headroom=HEADROOM) as server:
         assert "num_kv_cache_groups=6" in server.output()  # the hybrid KV cache, across hosts
         check_across_hosts(server, models["gemma3"])
 
