@@ -1,5 +1,6 @@
 """EAGLE-3 steps verified and drafted in one compiled program (speculative.fusion):
-the text of plain decoding, from the fused program, not tpu-inference's calls."""
+the text of plain decoding, from the fused program, not tpu-inference's calls; a
+lone request's programs compiled before the engine is ready (speculative.warm_up)."""
 
 import json
 import os
@@ -23,10 +24,17 @@ from tpu_models.server.serve import DEFAULT_MODEL, SPECULATIVE
 llm = vllm.LLM(model=str(DEFAULT_MODEL), dtype="float32", max_model_len=256,
                kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=256,
                speculative_config=SPECULATIVE["eagle3"])
+from tpu_models.speculative.fusion import _compiled
+compiled = _compiled()._cache_size()  # the fused step's programs after start-up
+for n, temperature in ((5, 0.0), (40, 1.0), (150, 0.0), (200, 1.0)):  # lone requests
+    llm.generate({"prompt_token_ids": list(range(3, 3 + n))}, use_tqdm=False,
+                 sampling_params=vllm.SamplingParams(temperature=temperature, max_tokens=7,
+                                                     ignore_eos=True))
+lone = _compiled()._cache_size() - compiled
 chats = [[{"role": "user", "content": r}] for r in json.loads(sys.argv[1])]
 out = llm.chat(chats, vllm.SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
 print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in out],
-                              "steps": dict(STEPS)}))
+                              "steps": dict(STEPS), "compiled_by_lone_requests": lone}))
 """
 
 
@@ -51,6 +59,9 @@ def test_fused_eagle3_steps_give_the_text_of_plain_decoding(demo_server, tmp_pat
     # Every step of an EAGLE-3 engine is eligible here: all fused, our draft inputs
     # upstream's (none redrafted), none failed.
     assert steps.get("fused", 0) > 4 and set(steps) == {"fused"}, steps
+    # A lone request, greedy or sampled, of any prompt length up to the context, runs
+    # programs the engine compiled before it was ready (speculative.warm_up).
+    assert result["compiled_by_lone_requests"] == 0
 
 
 def test_the_draft_passes_cover_every_request_with_few_programs():

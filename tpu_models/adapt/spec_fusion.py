@@ -4,7 +4,7 @@ from tpu_models import features
 from tpu_models.adapt import state
 from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import SPEC_FUSION
-from tpu_models.speculative import steps
+from tpu_models.speculative import steps, warm_up
 
 RUNNER = "tpu_inference.runner.tpu_runner"
 PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"
@@ -19,6 +19,21 @@ def fuses(runner) -> bool:
 def sample_from_logits_fused(original, self, *args, **kwargs):
     """TPUModelRunner._sample_from_logits: an eligible step as one program, others not."""
     return steps.sample_from_logits(original, self, args, kwargs, state.of(self))
+
+
+def warmed_up_before_ready(original, self, vllm_config, *args, **kwargs):
+    """EngineCore.__init__: an EAGLE-3 engine serves its warm-up requests before its
+    start-up handshake ends (speculative.warm_up)."""
+    original(self, vllm_config, *args, **kwargs)
+    if warm_up.wanted(vllm_config):
+        warm_up.serve(self)
+
+
+def buckets_from_a_decode_step(original, self):
+    """CompilationManager.capture_model: an EAGLE-3 engine's token buckets start at a
+    decode step's (speculative.warm_up), before any is compiled."""
+    warm_up.buckets_from_a_decode_step(self.runner)
+    return original(self)
 
 
 _SAMPLE_FROM_LOGITS = (
@@ -60,4 +75,11 @@ PATCHES = [
         "an EAGLE-3 step launched ~10 small programs after the forward pass, one dispatch each",
         "tests/test_spec_fusion.py::test_fused_eagle3_steps_give_the_text_of_plain_decoding",
         speed="tpu-models bench spec-calls"),
+    Patch("EAGLE-3's first steps served before ready", SPEC_FUSION, (
+        Target("vllm.v1.engine.core.EngineCore.__init__", "self vllm_config executor_class "
+               "log_stats executor_fail_callback include_finished_set", warmed_up_before_ready),
+        Target("tpu_inference.runner.compilation_manager.CompilationManager.capture_model",
+               "self", buckets_from_a_decode_step)),
+        "the fused step compiled at each shape's first step: a user's first request took 5-10 s",
+        "tests/test_spec_fusion.py::test_fused_eagle3_steps_give_the_text_of_plain_decoding"),
 ]

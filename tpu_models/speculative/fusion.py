@@ -104,10 +104,13 @@ def run(runner, a: dict) -> "Replay":
     # The draft's inputs in one transfer (upstream's two are answered from it).
     device = device_array(runner.mesh, host, sharding=PartitionSpec(ShardingAxisName.ATTN_DATA))
     rows = live_rows(int(host[2][0]), a["input_ids"].shape[0])
-    fused = _compiled()(runner, rows, runner.rng_params_for_sampling, a["logits"],
-                        a["input_ids"], a["spec_decode_metadata"], a["tpu_sampling_metadata"],
-                        a["aux_hidden_states"], draft_attention(a["attn_metadata"]), device,
-                        runner.drafter.state_leaves, runner.kv_caches)
+    args = (runner.rng_params_for_sampling, a["logits"], a["input_ids"],
+            a["spec_decode_metadata"], a["tpu_sampling_metadata"], a["aux_hidden_states"],
+            draft_attention(a["attn_metadata"]), device, runner.drafter.state_leaves,
+            runner.kv_caches)
+    from tpu_models.speculative import warm_up
+    warm_up.compile_sampled_twin(runner, rows, args)  # in a warm-up's greedy step
+    fused = _compiled()(runner, rows, *args)
     runner.kv_caches = fused["kv_caches"]  # the old ones were donated
     return Replay(runner, a, fused, host, device)
 

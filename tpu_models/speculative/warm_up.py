@@ -1,0 +1,176 @@
+"""An EAGLE-3 engine's first requests, served before it says it is ready.
+
+The fused EAGLE-3 step (speculative.fusion) is not among the programs
+tpu-inference compiles before serving: each shape compiles when a step first
+meets it (3-5 s apiece for the demo on two cores), so a user's first request
+waited 5-10 s and looked hung. Here the engine core serves greedy requests of
+its own before its start-up handshake ends (`serve`), one for each token bucket
+a lone request's prompt step can meet (`prompt_lengths`): through its own
+scheduler and runner, so the programs compiled are exactly those real steps
+run, whatever their arguments' shapes. Each of their steps also has its sampled
+twin compiled on a thread beside the engine (`compile_sampled_twin`): the same
+arguments, do_sampling set. Their outputs go nowhere, and the prefix cache is
+emptied after them. Steps of several requests still compile at first use. The
+cost is in the ready time (benchmarks/README.md, bench startup).
+"""
+
+import concurrent.futures
+import functools
+import time
+
+TOKENS = 4  # a prompt step, then decode steps with the draft's tokens to verify
+PREFIX = "tpu-models-warm-up-"
+# The sampled twins of the warm-up's greedy steps, compiling beside them.
+_twins: dict[str, concurrent.futures.Future] = {}
+
+
+def wanted(vllm_config) -> bool:
+    """An EAGLE-3 engine that precompiles at all (SKIP_JAX_PRECOMPILE=1 skips this too),
+    on one data-parallel rank (ranks step together: one alone would wait for the rest)."""
+    from tpu_inference import envs
+
+    spec = vllm_config.speculative_config
+    return (spec is not None and spec.method == "eagle3" and not envs.SKIP_JAX_PRECOMPILE
+            and not vllm_config.model_config.enforce_eager
+            and vllm_config.parallel_config.data_parallel_size == 1)
+
+
+def decode_step_tokens(vllm_config) -> int:
+    """The token bucket of a lone request's decode step: 1 + k tokens, padded to a
+    power of two."""
+    return 1 << vllm_config.speculative_config.num_speculative_tokens.bit_length()
+
+
+def buckets_from_a_decode_step(runner) -> None:
+    """The runner's token buckets less those below a lone decode step's (off-TPU they
+    start at 1): only a request's last steps (fewer drafts to fit max_tokens) and
+    prompts of under 1 + k tokens met them, and each was a program of the model
+    step and of the fused step to compile and warm up; those steps pad to it."""
+    if not wanted(runner.vllm_config):
+        return
+    smallest = decode_step_tokens(runner.vllm_config)
+    kept = [b for b in runner.num_tokens_paddings if b >= smallest]
+    if kept and len(kept) < len(runner.num_tokens_paddings):
+        runner.num_tokens_paddings = kept
+        runner.num_tokens_paddings_per_dp = [b // runner.dp_size for b in kept]
+
+
+def prompt_lengths(vllm_config) -> list[int]:
+    """A prompt for each token bucket a lone request's prompt step can meet (powers of
+    two, from a decode step's 1 + k tokens to the step's budget): its prompt step
+    runs at that bucket, its decode steps at the smallest. Longer prompts are read in
+    chunks of the largest."""
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    longest = vllm_config.model_config.max_model_len - TOKENS
+    bucket, lengths = decode_step_tokens(vllm_config), []
+    while bucket <= budget:
+        lengths.append(min(bucket, longest))
+        bucket *= 2
+    return sorted(set(lengths))
+
+
+def requests(engine_core) -> list:
+    """The warm-up's requests, as vLLM's own (`vllm.v1.request.Request`): one a
+    prompt length, greedy (their steps' sampled twins compile beside them)."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    config = engine_core.vllm_config
+    rng = np.random.default_rng(0)
+    vocab = config.model_config.get_vocab_size()
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    return [Request(f"{PREFIX}{i}", rng.integers(3, vocab, length).tolist(), params, None,
+                    block_hasher=engine_core.request_block_hasher)
+            for i, length in enumerate(prompt_lengths(config))]
+
+
+def serve(engine_core) -> None:
+    """Serves the warm-up's `requests` on `engine_core` (vLLM's EngineCore, its
+    scheduler built), one at a time, as its busy loop would."""
+    from tpu_inference.logger import init_logger
+
+    began = time.perf_counter()
+    made = requests(engine_core)
+    for request in made:
+        engine_core.add_request(request)
+        while engine_core.scheduler.has_requests() or engine_core.batch_queue:
+            _, executed = engine_core.step_fn()
+            engine_core.post_step(executed)
+    engine_core.reset_prefix_cache()
+    twins = sum(engine_core.collective_rpc(twins_compiled))
+    init_logger(__name__).info(
+        "tpu-models: EAGLE-3 warm-up: %d requests served before ready, %d sampled twins of "
+        "their steps compiled (%.1f s), so that a lone request's steps find their "
+        "programs compiled", len(made), twins, time.perf_counter() - began)
+
+
+def compile_sampled_twin(runner, rows: int, args: tuple) -> None:
+    """In a step of the warm-up's greedy requests (fusion.run's `rows` and `args`):
+    the fused program for the same step sampled (do_sampling, static, is all that
+    differs) is lowered here and compiled on a thread of its own while the engine goes
+    on, once a shape. Its first sampled step then finds it in jit's caches."""
+    import dataclasses
+
+    import jax
+
+    sampling = args[4]
+    if sampling.do_sampling or not all(r.startswith(PREFIX) for r in runner.input_batch.req_ids):
+        return
+
+    def abstract(x):
+        if not isinstance(x, jax.Array):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                    weak_type=x.aval.weak_type)
+
+    twin = [*jax.tree.map(abstract, args)]
+    key = f"{rows} {[getattr(x, 'shape', x) for x in jax.tree.leaves(twin[:8])]}"
+    if key in _twins:
+        return
+    try:
+        twin[4] = dataclasses.replace(twin[4], do_sampling=True, **_sampled(runner, args[3]))
+        from tpu_models.speculative import fusion
+        lowered = fusion._compiled().lower(runner, rows, *twin)
+    except Exception as e:  # the step itself is unaffected: it runs as it would
+        _twins[key] = concurrent.futures.Future()
+        _twins[key].set_exception(e)
+        return
+    _twins[key] = _compiler().submit(lowered.compile)
+
+
+def _sampled(runner, spec) -> dict:
+    """A sampled step's temperature, top_k and top_p (a greedy step's are None), as
+    the runner puts them: a row a request, sharded as upstream's sampler expects."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+
+    sharding = NamedSharding(runner.mesh, PartitionSpec(ShardingAxisName.ATTN_DATA))
+    rows = spec.bonus_logits_indices.shape  # the step's padded requests
+    return {name: jax.ShapeDtypeStruct(rows, dtype, sharding=sharding)
+            for name, dtype in (("temperature", jnp.float32), ("top_k", jnp.int32),
+                                ("top_p", jnp.float32))}
+
+
+@functools.cache
+def _compiler() -> concurrent.futures.ThreadPoolExecutor:
+    # Two: once the greedy steps are done, the twins left take both cores.
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tpu-models-twins")
+
+
+def twins_compiled(worker=None) -> int:
+    """Waits for the sampled twins (on a worker, by the engine's collective_rpc); their
+    number. One that failed is said and left to compile at its first step."""
+    from tpu_inference.logger import init_logger
+
+    done = 0
+    for key, future in list(_twins.items()):
+        try:
+            future.result()
+            done += 1
+        except Exception as e:
+            init_logger(__name__).warning("tpu-models: a sampled EAGLE-3 step did not "
+                                          "compile ahead (%r); it compiles at first use", e)
+    return done
