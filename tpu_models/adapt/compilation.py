@@ -2,8 +2,8 @@
 
 from tpu_models import precompilation
 from tpu_models.adapt import state
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
 from tpu_models.features import STARTUP
+from tpu_models.patching import OFF_TPU, Patch, Target
 
 
 def step_lowered_ahead_of_time(original, vllm_config, rng, mesh, is_draft_model=False):

@@ -7,9 +7,9 @@ import importlib
 import os
 
 from tpu_models import off_tpu
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target, rebind
 from tpu_models.features import OFF_TPU_HOST
 from tpu_models.host import attention_mode, host_platform
+from tpu_models.patching import OFF_TPU, Patch, Target, rebind
 
 
 def mesh_by_device_id(original, axis_shapes, axis_names, *, devices=None):

@@ -1,8 +1,9 @@
 """KV cache: its budget as asked and beside the step, and sliding-window layers' groups."""
 
 from tpu_models import kv_cache
-from tpu_models.adapt.guard import Patch, Target, our_model
 from tpu_models.features import HYBRID_KV, KV_BUDGET
+from tpu_models.patching import Patch, Target
+from tpu_models.registry import our_model
 
 
 def available_memory_as_asked(original, self) -> int:

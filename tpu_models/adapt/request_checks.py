@@ -7,8 +7,8 @@ import dataclasses
 import functools
 
 from tpu_models import features
-from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS
+from tpu_models.patching import Patch, Target
 from tpu_models.sampler import requests
 
 

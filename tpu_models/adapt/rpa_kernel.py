@@ -6,10 +6,10 @@ What runs in the kernel's place, chosen by TPU_MODELS_ATTENTION: tpu_models.kern
 import importlib
 
 from tpu_models import kernels
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
 from tpu_models.features import RPA_INTERPRET, RPA_PATH
 from tpu_models.host import attention_mode
 from tpu_models.kernels import rpa_interpret
+from tpu_models.patching import OFF_TPU, Patch, Target
 
 INTERFACE = "tpu_inference.layers.common.attention_interface"
 KERNELS = "tpu_inference.kernels.ragged_paged_attention.v3"

@@ -1,7 +1,7 @@
 """Speculative decoding: tpu-inference's JAX EAGLE-3 draft, with our targets."""
 
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
 from tpu_models.features import EAGLE3
+from tpu_models.patching import OFF_TPU, Patch, Target
 from tpu_models.speculative import draft, draft_checkpoint
 
 PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"

@@ -1,7 +1,7 @@
 """Compiling for a TPU topology: the slice's devices as this process's, every array as its shape."""
 
-from tpu_models.adapt.guard import COMPILING, Patch, Target
 from tpu_models.features import COMPILE_ONLY
+from tpu_models.patching import COMPILING, Patch, Target
 from tpu_models.topology import abstract
 
 
