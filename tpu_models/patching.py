@@ -172,6 +172,16 @@ def rebind(module_name: str, name: str, replacement) -> None:
             setattr(mod, name, replacement)
 
 
+def replace_model_validator(model_class, name: str, by: Callable) -> None:
+    """Pydantic model `model_class`'s validator `name` replaced by `by`, handed the
+    original first. Pydantic compiled the validators: ours put in place, the class rebuilt."""
+    validators = model_class.__pydantic_decorators__.model_validators
+    decorator = validators[name]
+    checked = functools.partial(by, decorator.func)
+    validators[name] = dataclasses.replace(decorator, func=checked)
+    model_class.model_rebuild(force=True)
+
+
 def ledger(package: str, modules: Sequence[str], on_import: Mapping[str, str]) -> str:
     """The ledger of a seam package's patches, a section per module (in `modules`'
     order, then those installed on import): what it changes upstream, and what to
