@@ -176,19 +176,18 @@ def test_off_tpu_a_host_portability_patch_that_cannot_apply_stops_the_engine(mon
 
     import pytest
 
-    from tpu_models import features
-    from tpu_models.adapt import guard
+    from tpu_models import features, patching
     installed = []
-    broken = guard.Patch("example", features.OFF_TPU_HOST,
-                         (guard.Target("tpu_models.host.has_tpu", "device"), ), "why", "test",
-                         lambda: installed.append(1), platform=guard.OFF_TPU)
+    broken = patching.Patch("example", features.OFF_TPU_HOST,
+                            (patching.Target("tpu_models.host.has_tpu", "device"), ), "why",
+                            "test", lambda: installed.append(1), platform=patching.OFF_TPU)
     monkeypatch.setattr(features, "_refused", {})
     with pytest.raises(features.AdaptationError, match=r"serving off-TPU .*host\.has_tpu takes \(\)"):
-        guard.install([broken], logging.getLogger("test"))
+        patching.install([broken], logging.getLogger("test"))
     assert not installed
     # On a TPU host the same patch is not even considered.
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
-    guard.install([broken], logging.getLogger("test"))
+    patching.install([broken], logging.getLogger("test"))
     assert not installed and features.refused() == {}
 
 

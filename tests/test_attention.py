@@ -253,8 +253,8 @@ def test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches():
     Pallas kernel (interpreted) and of its reference, and so do TPU_MODELS_ATTENTION=
     rpa-reference's (the reference a request at a time, jitted); all write the same
     cache."""
-    from tpu_models.adapt import rpa_kernel
-    rpa_kernel.interpreter_reads_transformed_refs()
+    from tpu_models import kernels
+    kernels.interpreter_reads_transformed_refs()
     rng = np.random.default_rng(50)
     configs = [  # (query heads, kv heads, head_dim, window, soft cap, fp8 cache)
         (4, 2, 64, 16, 5.0, False), (8, 1, 128, 7, None, True), (4, 4, 256, None, 30.0, False),

@@ -1,7 +1,7 @@
 """The serving features that need tpu-inference or vLLM adapted (tpu_models.adapt), when
 an engine uses each, and what a user can do while one is refused.
 
-The seam installs a feature's patches all or none (adapt.guard); a feature whose
+The seam installs a feature's patches all or none (tpu_models.patching); a feature whose
 patches cannot apply on this tpu-inference is refused (`refuse`), and a model that
 would use it stops at build (`require`) naming the feature and the version, rather
 than being served wrong.

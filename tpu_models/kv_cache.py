@@ -5,7 +5,7 @@ tpu-inference's worker sizes the cache from --gpu-memory-utilization alone; vLLM
 TPU. The seam (adapt.kv_cache) honours it there, as off-TPU (off_tpu.kv_cache_budget)
 and in `tpu-models compile`. The penalties' counts, which the first request asking
 for a penalty allocated after the cache had taken its share, are allocated before it
-is sized (`allocate_beside_the_cache`), and on a TPU the cache leaves the largest step
+is sized (`allocate_beside_the_cache`, by `available_memory`), and on a TPU the cache leaves the largest step
 the room it needs (`room_for_the_largest_step`, by tpu_models.memory's arithmetic).
 
 tpu-inference gives every flax_nnx layer a FullAttentionSpec, so a Gemma 3 local
@@ -34,6 +34,19 @@ def allocate_beside_the_cache(runner) -> None:
         "tpu-models: %.2f GiB a chip for the penalties' counts (%d sequences x %d ids), "
         "allocated before the KV cache is sized", bytes_a_chip(slots, vocab) / 2**30, slots,
         vocab)
+
+
+def available_memory(determine, worker) -> int:
+    """The KV cache's budget on tpu-inference's TPUWorker `worker` (`determine`: its
+    determine_available_memory): the penalties' counts allocated first; on a TPU the
+    budget as asked, or `determine`'s less the largest step's room."""
+    from tpu_models.host import host_platform
+    allocate_beside_the_cache(worker.model_runner)
+    if host_platform() is not None:  # off-TPU: the host's own sizing
+        return determine(worker)
+    if budget := worker.cache_config.kv_cache_memory_bytes:
+        return budget_asked(budget)
+    return determine(worker) - room_for_the_largest_step(worker)
 
 
 def budget_asked(budget: int) -> int:

@@ -7,7 +7,9 @@ one of its TPU-only assumptions stops it, or lets it run and return wrong tokens
 coordinates (`mesh_by_device_id`); the KV cache's budget from the host's memory
 (`kv_cache_budget`, said in the log by `worker_kv_cache_budget`), memory in use
 from the live arrays (`memory_in_use`); host inputs copied before the step reads
-them (`copied`, `put_copies`); argmax as two reductions (`first_max`); and a
+them (`copied`, `put_copies`, `put_for_the_step`); the sampler jitted without
+TPU compiler options (`sampler_without_tpu_options`); token buckets from 1
+(`small_token_buckets`); argmax as two reductions (`first_max`); and a
 weight read once from the checkpoint and rearranged and cast in one compiled
 pass (`mark`, `converted_in_one_pass`, `arranged`). The seam
 (adapt.host_portability, adapt.loading) puts these where tpu-inference asks a TPU.
@@ -174,6 +176,16 @@ def put_copies(tensor, sharding):
     return jax.device_put(jax.tree.unflatten(tree, copies), sharding)
 
 
+def put_for_the_step(device_put, tensor, sharding, layout=None, source_mesh=None):
+    """tpu-inference's general_device_put (`device_put`) of `tensor`: host arrays
+    copied before the step reads them, by `put_copies` where it takes them (no
+    layout, no Ray)."""
+    from tpu_inference import envs
+    if layout is not None or envs.TPU_MULTIHOST_BACKEND == "ray":
+        return device_put(copied(tensor), sharding, layout=layout, source_mesh=source_mesh)
+    return put_copies(tensor, sharding)
+
+
 def _put_each(shardings, _layouts, _semantics, arrays):
     import jax
     return [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
@@ -194,11 +206,36 @@ def first_max(operand, *, axes, index_dtype):
     return jnp.min(jnp.where(hit, positions, jnp.iinfo(index_dtype).max), axis=axis)
 
 
-def argmax_lowering():
-    """(argmax's primitive, `first_max` as its lowering rule)."""
+def argmax_as_two_reductions() -> None:
+    """`first_max` as argmax's lowering on XLA:CPU, whose own is a scalar loop (greedy
+    sampling, rejection, drafts, categorical)."""
     from jax import lax
     from jax.interpreters import mlir
-    return lax.argmax_p, mlir.lower_fun(first_max, multiple_results=False)
+    mlir.register_lowering(lax.argmax_p, mlir.lower_fun(first_max, multiple_results=False),
+                           platform="cpu")
+
+
+def sampler_without_tpu_options() -> None:
+    """tpu-inference's sample(), jitted again without the xla_tpu_* options it took when
+    it was decorated, at import (before plugins load). So did EAGLE-3's draft loop,
+    whose replacement (speculative.draft) is jitted without them. Not a replacement
+    by the guard: the seam's sampling wraps this jitted `sample` (its `lower` too)."""
+    import importlib
+
+    import jax
+
+    from tpu_models.patching import rebind
+    sampling = importlib.import_module("tpu_inference.layers.jax.sample.sampling")
+    rebind(sampling.__name__, "sample",
+           jax.jit(sampling.sample.__wrapped__,
+                   static_argnames=["mesh", "allow_distributed_sampling"]))
+
+
+def small_token_buckets() -> None:
+    """Token buckets from 1: a TPU computes a 16-row step for the price of one, a CPU
+    pays every padded row."""
+    import os
+    os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
 
 
 def mark(name: str, tensor, dtype):

@@ -28,7 +28,8 @@ passes: 290 of the demo's 370) run only in the steps the fused one leaves them
 Mosaic lowering caches each Pallas kernel equation under a key whose hash takes a
 DMA's pytree without its nodes' data: a kernel's DMAs all hash alike, and each
 lookup compared keys in full (RPA v3: a million comparisons, 2.5 of 8.8 s a
-lowering); `hashed_by_their_trees` hashes the trees too.
+lowering); `hashed_by_their_trees` hashes the trees too
+(`pallas_keys_hashed_by_their_trees` installs it).
 """
 
 import atexit
@@ -257,3 +258,9 @@ def hashed_by_their_trees(key_class):
             return hash((super().__hash__(), trees))
 
     return PallasLoweringCacheKey
+
+
+def pallas_keys_hashed_by_their_trees() -> None:
+    """Mosaic lowering's cache key class, replaced by its subclass (isinstance holds)."""
+    from jax._src.pallas.mosaic import lowering
+    lowering.PallasLoweringCacheKey = hashed_by_their_trees(lowering.PallasLoweringCacheKey)

@@ -94,3 +94,17 @@ def for_checkpoint(directory: str | Path) -> Architecture:
     from tpu_models.loaders.tables import read_config
     config, _ = read_config(directory)
     return for_config(config)
+
+
+def our_model(vllm_config) -> type | None:
+    """The tpu_models class the engine runs on the flax_nnx path, else None. Asked by
+    the seam of a running engine (tpu-inference imported then, not here)."""
+    if vllm_config.compilation_config.static_forward_context:
+        return None  # vLLM's PyTorch model (MODEL_IMPL_TYPE=vllm): its layers declare themselves
+    from tpu_inference.models.common.model_loader import _MODEL_REGISTRY
+    ours = {a.hf_name for a in architectures() if a.model is not None}
+    for name in vllm_config.model_config.architectures or ():
+        model_class = _MODEL_REGISTRY.get(name)
+        if name in ours and isinstance(model_class, type):
+            return model_class
+    return None

@@ -343,9 +343,9 @@ class _Plan:
 def _install() -> None:
     from tpu_inference.logger import init_logger
 
-    from tpu_models import features
-    from tpu_models.adapt import guard, tunix_rollout  # the seam, wired here as by the plugin
-    guard.install(tunix_rollout.PATCHES, init_logger("tpu_models.tunix"))
+    from tpu_models import features, patching
+    from tpu_models.adapt import tunix_rollout  # the seam, wired here as by the plugin
+    patching.install(tunix_rollout.PATCHES, init_logger("tpu_models.tunix"))
     if reason := features.refused().get(features.TUNIX_ROLLOUTS.name):
         raise features.AdaptationError(f"tpu-models: {reason}")
 

@@ -2,8 +2,8 @@
 
 from tpu_models import precompilation
 from tpu_models.adapt import state
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
 from tpu_models.features import STARTUP
+from tpu_models.patching import OFF_TPU, Patch, Target
 
 
 def step_lowered_ahead_of_time(original, vllm_config, rng, mesh, is_draft_model=False):
@@ -68,13 +68,6 @@ def unfused_at_first_use(original, self):
     precompilation.unfused_programs_at_first_use()
 
 
-def pallas_keys_hashed_by_their_trees() -> None:
-    """A class, replaced by a subclass (isinstance holds)."""
-    from jax._src.pallas.mosaic import lowering
-    key = lowering.PallasLoweringCacheKey
-    lowering.PallasLoweringCacheKey = precompilation.hashed_by_their_trees(key)
-
-
 LOADER = "tpu_inference.models.common.model_loader"
 MANAGER = "tpu_inference.runner.compilation_manager.CompilationManager"
 _RUN = "self name fn args call_kwargs warmup_handler aot compile_only kwargs"
@@ -119,5 +112,5 @@ PATCHES = [
         Target("jax._src.pallas.mosaic.lowering.PallasLoweringCacheKey", _PALLAS_KEY), ),
         "every lookup of a kernel's DMA compared the keys of all its DMAs in full",
         "tests/test_compile.py::test_pallas_lowering_keys_of_different_dmas_hash_apart",
-        pallas_keys_hashed_by_their_trees, speed="tpu-models bench compile"),
+        precompilation.pallas_keys_hashed_by_their_trees, speed="tpu-models bench compile"),
 ]

@@ -1,7 +1,7 @@
 """vLLM's engine and loader around a flax model: what they assume of a PyTorch one."""
 
-from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import IN_PROCESS, LOG, START_CHECKS
+from tpu_models.patching import Patch, Target
 
 
 def post_init_after_the_path_check(original, self):

@@ -3,13 +3,10 @@
 Each is answered by tpu_models.off_tpu; none of this is installed on a TPU.
 """
 
-import importlib
-import os
-
 from tpu_models import off_tpu
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target, rebind
 from tpu_models.features import OFF_TPU_HOST
 from tpu_models.host import attention_mode, host_platform
+from tpu_models.patching import OFF_TPU, Patch, Target
 
 
 def mesh_by_device_id(original, axis_shapes, axis_names, *, devices=None):
@@ -42,25 +39,9 @@ def no_compiler_options(original):
     return {}
 
 
-def sampler_without_tpu_options() -> None:
-    # The sampler took its options when it was decorated, at import (before plugins
-    # load): jit it again without them. So did EAGLE-3's draft loop, whose
-    # replacement (adapt.speculative) is jitted without them. Not a replacement by
-    # the guard: adapt.sampling wraps this jitted `sample` (its `lower` too).
-    import jax
-    sampling = importlib.import_module("tpu_inference.layers.jax.sample.sampling")
-    rebind(sampling.__name__, "sample",
-           jax.jit(sampling.sample.__wrapped__,
-                   static_argnames=["mesh", "allow_distributed_sampling"]))
-
-
 def device_put_of_copies(original, tensor, sharding, *, layout=None, source_mesh=None):
     """general_device_put: host arrays copied before the step reads them (off_tpu)."""
-    from tpu_inference import envs
-    if layout is not None or envs.TPU_MULTIHOST_BACKEND == "ray":
-        return original(off_tpu.copied(tensor), sharding, layout=layout,
-                        source_mesh=source_mesh)
-    return off_tpu.put_copies(tensor, sharding)
+    return off_tpu.put_for_the_step(original, tensor, sharding, layout, source_mesh)
 
 
 def portable_attention(original, self, *args, **kwargs):
@@ -78,18 +59,6 @@ def portable_kv_cache_shape(original, self, *args):
         return original(self, *args)
     from tpu_models.attention import PortableAttentionBackend
     return PortableAttentionBackend().get_kv_cache_shape(*args)
-
-
-def small_token_buckets() -> None:
-    # A TPU computes a 16-row step for the price of one, a CPU pays every padded row.
-    os.environ.setdefault("MIN_TOKEN_BUCKET", "1")
-
-
-def argmax_as_two_reductions() -> None:
-    # XLA:CPU's argmax is a scalar loop (greedy sampling, rejection, drafts,
-    # categorical); off_tpu.first_max gives the same answer in two reductions.
-    from jax.interpreters import mlir
-    mlir.register_lowering(*off_tpu.argmax_lowering(), platform="cpu")
 
 
 def _patch(name, targets, why, test, install=None, speed=""):
@@ -120,7 +89,7 @@ PATCHES = [
         ("tpu_inference.layers.jax.sample.sampling.sample",
          "rng mesh logits tpu_sampling_metadata allow_distributed_sampling")],
         "XLA off-TPU refuses the xla_tpu_* options baked into jitted functions", E2E,
-        sampler_without_tpu_options),
+        off_tpu.sampler_without_tpu_options),
     _patch("host inputs copied before the step", [
         ("tpu_inference.layers.common.utils.general_device_put",
          "tensor sharding layout source_mesh", device_put_of_copies)],
@@ -136,8 +105,9 @@ PATCHES = [
     _patch("argmax as two reductions", [
         ("jax.interpreters.mlir.register_lowering", "prim rule platform inline cacheable")],
         "XLA:CPU's argmax, a scalar loop: 1 ms a greedy token over a 262k vocabulary",
-        "tests/test_adapt.py::test_argmax_off_tpu_answers_as_numpy", argmax_as_two_reductions,
+        "tests/test_adapt.py::test_argmax_off_tpu_answers_as_numpy",
+        off_tpu.argmax_as_two_reductions,
         speed="tpu-models bench step"),
     _patch("token buckets from 1", [], "a lone decode paid for 16 padded rows of matmuls", E2E,
-           small_token_buckets, speed="tpu-models bench step"),
+           off_tpu.small_token_buckets, speed="tpu-models bench step"),
 ]

@@ -1,20 +1,15 @@
 """KV cache: its budget as asked and beside the step, and sliding-window layers' groups."""
 
 from tpu_models import kv_cache
-from tpu_models.adapt.guard import Patch, Target, our_model
 from tpu_models.features import HYBRID_KV, KV_BUDGET
+from tpu_models.patching import Patch, Target
+from tpu_models.registry import our_model
 
 
 def available_memory_as_asked(original, self) -> int:
     """TPUWorker.determine_available_memory: the penalties' counts allocated first; on a
     TPU the cache's budget as asked, or upstream's less the largest step's room."""
-    from tpu_models.host import host_platform
-    kv_cache.allocate_beside_the_cache(self.model_runner)
-    if host_platform() is not None:  # off-TPU: the host's own sizing
-        return original(self)
-    if budget := self.cache_config.kv_cache_memory_bytes:
-        return kv_cache.budget_asked(budget)
-    return original(self) - kv_cache.room_for_the_largest_step(self)
+    return kv_cache.available_memory(original, self)
 
 
 def specs_with_sliding_windows(original, self):

@@ -3,17 +3,16 @@
 Which weights, and why: tpu_models.off_tpu (`mark`, through runtime.SEAM).
 """
 
-from tpu_models import off_tpu
-from tpu_models.adapt import guard
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
+from tpu_models import off_tpu, patching
 from tpu_models.features import STARTUP
+from tpu_models.patching import OFF_TPU, Patch, Target
 
 WEIGHTS = "tpu_inference.models.jax.utils.weight_utils"
 
 
 def installed() -> bool:
     """Whether weights may reach the loader in their checkpoint dtype, marked."""
-    return f"{WEIGHTS}.load_nnx_param_from_reshaped_torch" in guard.ORIGINALS
+    return f"{WEIGHTS}.load_nnx_param_from_reshaped_torch" in patching.ORIGINALS
 
 
 def load_in_one_pass(original, jax_param, torch_weight, _shard_id=-1, *, reshape_dims=None,

@@ -1,7 +1,7 @@
 """Log-probs: tpu-inference's programs over the whole vocabulary, a piece of rows at a time."""
 
-from tpu_models.adapt.guard import Patch, Target, rebind
 from tpu_models.features import LOGPROBS_IN_PIECES
+from tpu_models.patching import Patch, Target, rebind
 
 
 def logprobs_in_pieces() -> None:

@@ -1,7 +1,8 @@
 """LoRA: --enable-lora on our models, adapters held in tpu_models.lora_slots's slots."""
 
-from tpu_models.adapt.guard import Patch, Target, our_model
 from tpu_models.features import LORA
+from tpu_models.patching import Patch, Target
+from tpu_models.registry import our_model
 
 
 def load_model_with_adapter_slots(original, self, *args, **kwargs):

@@ -1,8 +1,8 @@
 """tpu-inference's Ray executor across hosts: off-TPU stand-ins for libtpu; a lost host."""
 
 from tpu_models import logs, multihost
-from tpu_models.adapt.guard import EVERYWHERE, OFF_TPU, Patch, Target
 from tpu_models.features import ACROSS_HOSTS
+from tpu_models.patching import EVERYWHERE, OFF_TPU, Patch, Target
 
 
 def init_joining_jax_processes(original, self, vllm_config, local_rank, rank, *args,

@@ -1,7 +1,7 @@
 """vLLM's model config: a checkpoint `tpu-models export` left unfinished is refused before it is pulled."""
 
-from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import EXPORT_MARKERS
+from tpu_models.patching import Patch, Target
 
 
 def pull_after_the_export_check(original, self, model, tokenizer):

@@ -3,12 +3,9 @@ cannot do or a value that would break the engine (the checks: sampler.requests).
 For every model tpu-inference runs.
 """
 
-import dataclasses
-import functools
-
-from tpu_models import features
-from tpu_models.adapt.guard import Patch, Target
+from tpu_models import features, patching
 from tpu_models.features import LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS, SAMPLING_CHECKS
+from tpu_models.patching import Patch, Target
 from tpu_models.sampler import requests
 
 
@@ -43,15 +40,12 @@ def check_structured_outputs_count(original, data):
 
 
 def validators_checked() -> None:
-    """Pydantic compiled the requests' validators: ours put in place, the classes rebuilt."""
+    """The requests' validators, compiled by pydantic: ours put in place."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     for request_class in (CompletionRequest, ChatCompletionRequest):
-        validators = request_class.__pydantic_decorators__.model_validators
-        decorator = validators["check_structured_outputs_count"]
-        checked = functools.partial(check_structured_outputs_count, decorator.func)
-        validators["check_structured_outputs_count"] = dataclasses.replace(decorator, func=checked)
-        request_class.model_rebuild(force=True)
+        patching.replace_model_validator(request_class, "check_structured_outputs_count",
+                                         check_structured_outputs_count)
 
 
 def update_from_tokenizer(original, self, tokenizer):

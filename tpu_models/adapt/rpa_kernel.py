@@ -1,43 +1,16 @@
 """The RPA v3 kernel: tpu-inference's TPU attention path, run off-TPU.
 
-What runs in the kernel's place, chosen by TPU_MODELS_ATTENTION: tpu_models.kernels.
+What runs in the kernel's place, chosen by TPU_MODELS_ATTENTION, and the
+interpreter's reads of transformed refs: tpu_models.kernels, which installs both
+(`in_the_kernels_place`, `interpreted_with_transformed_refs`).
 """
 
-import importlib
-
 from tpu_models import kernels
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
 from tpu_models.features import RPA_INTERPRET, RPA_PATH
-from tpu_models.host import attention_mode
-from tpu_models.kernels import rpa_interpret
+from tpu_models.kernels import INTERFACE, INTERPRETER
+from tpu_models.patching import OFF_TPU, Patch, Target
 
-INTERFACE = "tpu_inference.layers.common.attention_interface"
 KERNELS = "tpu_inference.kernels.ragged_paged_attention.v3"
-INTERPRETER = "jax._src.pallas.mosaic.interpret.interpret_pallas_call"
-
-
-def transformed_refs_interpreted() -> None:
-    if attention_mode() == "rpa-interpret":
-        interpreter_reads_transformed_refs()
-
-
-def interpreter_reads_transformed_refs() -> None:
-    """The interpreter's get/store/swap read reshaped and bitcast refs. Not a
-    replacement by the guard: the interpreter reaches their `__wrapped__` too
-    (kernels.rpa_interpret.wrapped_callbacks)."""
-    ipc = importlib.import_module(INTERPRETER)
-    if ipc.get.__module__ != rpa_interpret.__name__:  # not installed yet
-        ipc.get, ipc.store, ipc.swap = rpa_interpret.wrapped_callbacks(ipc)
-
-
-def kernel_off_tpu() -> None:
-    # Not a replacement by the guard: chosen by TPU_MODELS_ATTENTION, and set up
-    # before JAX opens its CPU backend (kernels.programs_run_inline).
-    if (mode := attention_mode()) in ("rpa-reference", "rpa-interpret"):
-        interface = importlib.import_module(INTERFACE)
-        (interface.ragged_paged_attention,
-         interface.ragged_paged_attention_hd64) = kernels.rpa_kernels(mode)
-
 
 _BATCH = "queries keys values kv_cache kv_lens page_indices cu_q_lens distribution"
 _KERNEL = (f"{_BATCH} use_causal_mask update_kv_cache skip_kv_mask sm_scale sliding_window "
@@ -69,7 +42,7 @@ PATCHES = [
         Target(f"{KERNELS}.tuned_block_sizes_hd64.get_device_name", "num_devices")),
         "RPA v3 stopped in the interpreter: 'ReshapeTransform' object has no attribute 'indices'",
         "tests/test_attention.py::test_portable_kernel_equals_the_tpu_kernel_on_random_ragged_batches",
-        transformed_refs_interpreted, platform=OFF_TPU),
+        kernels.interpreted_with_transformed_refs, platform=OFF_TPU),
     Patch("RPA kernel by its reference or interpreted (TPU_MODELS_ATTENTION=rpa-reference, "
           "rpa-interpret)", RPA_PATH, (
         Target(f"{INTERFACE}.ragged_paged_attention", _KERNEL),
@@ -82,5 +55,5 @@ PATCHES = [
                "use_causal_mask attn_logits_soft_cap decode_query_size")),
         "the Pallas kernel compiles for TPUs only: off-TPU the TPU path could not run at all",
         "tests/test_tpu_path.py::test_both_architectures_through_the_rpa_backend_match_transformers",
-        kernel_off_tpu, platform=OFF_TPU),
+        kernels.in_the_kernels_place, platform=OFF_TPU),
 ]

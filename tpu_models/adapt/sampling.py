@@ -7,10 +7,10 @@ logprobs=0 and logprobs beside drafts, tpu_models.logprobs.
 
 import functools
 
-from tpu_models import logprobs
-from tpu_models.adapt import guard, state
-from tpu_models.adapt.guard import Patch, Target
+from tpu_models import logprobs, patching
+from tpu_models.adapt import state
 from tpu_models.features import LOGPROBS_WITH_DRAFTS, LOGPROBS_ZERO, SAMPLER_EXTRAS
+from tpu_models.patching import Patch, Target
 from tpu_models.sampler import metadata as extended_metadata
 from tpu_models.sampler import programs
 
@@ -69,7 +69,7 @@ def sample_lowered_and_traced() -> None:
     only), and its `__wrapped__` chooses as it does: a jit with compiler options, as
     upstream's, cannot be nested."""
     from tpu_inference.layers.jax.sample import sampling
-    upstream = guard.ORIGINALS[f"{SAMPLING}.sample"]
+    upstream = patching.ORIGINALS[f"{SAMPLING}.sample"]
     sampling.sample.lower = upstream.lower
     sampling.sample.__wrapped__ = functools.partial(sample_traced, upstream.__wrapped__)
 

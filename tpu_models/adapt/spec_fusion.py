@@ -2,8 +2,8 @@
 
 from tpu_models import features
 from tpu_models.adapt import state
-from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import SPEC_FUSION
+from tpu_models.patching import Patch, Target
 from tpu_models.speculative import steps, warm_up
 
 RUNNER = "tpu_inference.runner.tpu_runner"

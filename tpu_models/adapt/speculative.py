@@ -1,7 +1,7 @@
 """Speculative decoding: tpu-inference's JAX EAGLE-3 draft, with our targets."""
 
-from tpu_models.adapt.guard import OFF_TPU, Patch, Target
 from tpu_models.features import EAGLE3
+from tpu_models.patching import OFF_TPU, Patch, Target
 from tpu_models.speculative import draft, draft_checkpoint
 
 PROPOSER = "tpu_inference.spec_decode.jax.eagle3.Eagle3Proposer"
@@ -36,21 +36,6 @@ def load_weights_at_head_size(original, self, rng_key):
         return original(self, rng_key)
 
 
-def init_at_head_size() -> None:
-    """The draft's __init__, its heads unpadded: wrapped around the dtype patch's
-    replacement of it (the guard takes one replacement a target)."""
-    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
-    EagleLlama3ForCausalLM.__init__ = draft.with_heads_at_their_size(
-        EagleLlama3ForCausalLM.__init__)
-
-
-def draft_passes_on_live_rows() -> None:
-    """Eagle3Proposer._propose is a jit, whose function speculative.fusion calls:
-    ours is a jit too (speculative.draft.propose_jitted), not the guard's wrapper."""
-    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
-    Eagle3Proposer._propose = draft.propose_jitted(Eagle3Proposer._propose.__wrapped__)
-
-
 def compute_logits_gathered(original, self, hidden_states):
     """EagleLlama3ForCausalLM.compute_logits, placed by a gather (speculative.draft)."""
     return draft.logits_in_target_vocabulary(self, hidden_states)
@@ -81,7 +66,7 @@ PATCHES = [
         Target("tpu_inference.utils.get_padded_head_dim", "head_dim")),
         "a draft's heads were padded to 128 lanes off-TPU too (4x the demo draft's attention)",
         "tests/test_spec_decode.py::test_speculative_demo_gives_the_text_of_plain_decoding",
-        init_at_head_size, platform=OFF_TPU, speed="tpu-models bench spec"),
+        draft.init_at_head_size, platform=OFF_TPU, speed="tpu-models bench spec"),
     Patch("EAGLE-3 draft passes on live rows", EAGLE3, (
         Target(f"{PROPOSER}._propose", _PROPOSE),
         Target(f"{PROPOSER}._select_inputs_for_loop_speculation",
@@ -102,7 +87,7 @@ PATCHES = [
         "every token",
         "tests/test_spec_fusion.py::"
         "test_the_drafts_first_pass_on_last_rows_is_the_full_pass_at_those_rows",
-        draft_passes_on_live_rows, platform=OFF_TPU, speed="tpu-models bench spec"),
+        draft.passes_on_live_rows, platform=OFF_TPU, speed="tpu-models bench spec"),
     Patch("EAGLE-3 draft logits gathered", EAGLE3, (
         Target(f"{DRAFT}.compute_logits", "self hidden_states", compute_logits_gathered), ),
         "XLA:CPU ran the draft's lm_head transposed in a naive loop before the scatter",

@@ -2,8 +2,8 @@
 
 from tpu_models import guided
 from tpu_models.adapt import state
-from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import GUIDED, GUIDED_WITH_DRAFTS
+from tpu_models.patching import Patch, Target
 
 RUNNER = "tpu_inference.runner"
 MANAGER = f"{RUNNER}.speculative_decoding_manager.SpeculativeDecodingManager"

@@ -1,7 +1,7 @@
 """Compiling for a TPU topology: the slice's devices as this process's, every array as its shape."""
 
-from tpu_models.adapt.guard import COMPILING, Patch, Target
 from tpu_models.features import COMPILE_ONLY
+from tpu_models.patching import COMPILING, Patch, Target
 from tpu_models.topology import abstract
 
 
@@ -73,20 +73,6 @@ def draft_load_model(original, self, target_model):
         return original(self, target_model)
 
 
-def warmed_up_jits_compiled() -> None:
-    """A property, replaced whole: MeshExecutable.unsafe_call compiles for the slice."""
-    from jax._src.interpreters import pxla
-    build = pxla.MeshExecutable.unsafe_call.fget
-    pxla.MeshExecutable.unsafe_call = property(abstract.unsafe_call_compiling(build))
-
-
-def precompilation_eager_on_host() -> None:
-    """The compilation manager's module global `jax`, replaced."""
-    import jax
-    from tpu_inference.runner import compilation_manager
-    compilation_manager.jax = abstract.JaxEagerOnHost(jax)
-
-
 def _patch(name, test, targets, why, install=None):
     return Patch(name, COMPILE_ONLY, tuple(Target(*t) for t in targets), why,
                  f"tests/test_compile.py::{test}", install, platform=COMPILING)
@@ -139,9 +125,9 @@ PATCHES = [
     _patch("warm-up calls compile their jits, run none", _EAGLE3_TP8, [
         ("jax._src.interpreters.pxla.MeshExecutable.unsafe_call.fget", "self")],
         "a function that is no jit compiles its jits when the warm-up pass calls it",
-        warmed_up_jits_compiled),
+        abstract.warmed_up_jits_compiled),
     _patch("precompilation's eager arrays made on the host", _EAGLE3_TP8, [
         (f"{MANAGER}.capture_model", "self"), ("jax.set_mesh", "mesh")],
         "an array made eagerly under the slice's mesh (jnp.ones) cannot be made: no chip",
-        precompilation_eager_on_host),
+        abstract.precompilation_eager_on_host),
 ]

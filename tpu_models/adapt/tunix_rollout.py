@@ -5,8 +5,8 @@ changes and why: tpu_models.tunix_sampler.
 """
 
 from tpu_models import tunix_sampler
-from tpu_models.adapt.guard import Patch, Target
 from tpu_models.features import TUNIX_ROLLOUTS
+from tpu_models.patching import Patch, Target
 
 
 def vllm_config_vllm_takes(original, self, config):

@@ -12,9 +12,10 @@ only (`first_pass_on_rows`). Upstream's `_propose` is a jit; ours (`propose_jitt
 is one too, without its xla_tpu_* options, so that speculative.fusion can call the
 function inside it (its `__wrapped__`) with `live_rows`.
 
-Off-TPU its heads stay at their size (`heads_at_their_size`): tpu-inference pads a
-draft's head_dim to 128 lanes for the TPU kernel, which made the demo draft's 32-wide
-heads' attention projections 4x their size, and computed so, every pass. The
+Off-TPU its heads stay at their size (`heads_at_their_size`, `init_at_head_size`):
+tpu-inference pads a draft's head_dim to 128 lanes for the TPU kernel, which made the
+demo draft's 32-wide heads' attention projections 4x their size, and computed so,
+every pass. The
 portable attention pads only the cache, as it does for our models; the cache keeps
 its padded shape (sized elsewhere).
 """
@@ -56,6 +57,13 @@ def with_heads_at_their_size(method):
     return run
 
 
+def init_at_head_size() -> None:
+    """The draft's __init__, its heads unpadded: wrapped around the replacement the
+    seam installed (in the served dtype), not a replacement of its own."""
+    from tpu_inference.models.jax.llama_eagle3 import EagleLlama3ForCausalLM
+    EagleLlama3ForCausalLM.__init__ = with_heads_at_their_size(EagleLlama3ForCausalLM.__init__)
+
+
 def propose(upstream, self, state_leaves, kv_caches, input_ids, attn_metadata,
             last_token_indices, target_hidden_states, num_speculative_tokens,
             layer_name_to_kvcache_index, live_rows=None):
@@ -81,6 +89,13 @@ def propose_jitted(upstream):
                    out_shardings=(None, None), static_argnums=(0, 7, 8),
                    static_argnames=("num_speculative_tokens", "layer_name_to_kvcache_index",
                                     "live_rows"))
+
+
+def passes_on_live_rows() -> None:
+    """Eagle3Proposer._propose is a jit, whose function speculative.fusion calls: ours
+    is a jit too (`propose_jitted`), not a wrapper of the seam's."""
+    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
+    Eagle3Proposer._propose = propose_jitted(Eagle3Proposer._propose.__wrapped__)
 
 
 def on_live_rows(proposer, rows: int, tokens: int, live_rows, num_speculative_tokens) -> int:

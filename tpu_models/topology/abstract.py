@@ -11,8 +11,9 @@ whose weights it will load (`build_model`). Each program precompilation names is
 lowered and compiled by libtpu and kept (`compile_program`); a function that is
 no jit (the rejection sampler, EAGLE-3's drafter) is called as the warm-up pass
 calls it, with shapes (`warm_up`): every jit it calls compiles for the slice, as
-on a TPU, and answers shapes (`compiled_for_the_slice`). An array made eagerly
-under the slice's mesh (jnp.ones) is made on the host (`JaxEagerOnHost`), and
+on a TPU, and answers shapes (`compiled_for_the_slice`, `warmed_up_jits_compiled`).
+An array made eagerly under the slice's mesh (jnp.ones) is made on the host
+(`JaxEagerOnHost`, `precompilation_eager_on_host`), and
 EAGLE-3's drafter, which borrows the target's embedding if its own is all zeros,
 is answered by its checkpoint (`draft_embedding_answered`). adapt.topology
 installs these in `tpu-models compile`'s process only.
@@ -263,6 +264,13 @@ def unsafe_call_compiling(build):
     return unsafe_call
 
 
+def warmed_up_jits_compiled() -> None:
+    """MeshExecutable.unsafe_call, a property replaced whole (`unsafe_call_compiling`)."""
+    from jax._src.interpreters import pxla
+    build = pxla.MeshExecutable.unsafe_call.fget
+    pxla.MeshExecutable.unsafe_call = property(unsafe_call_compiling(build))
+
+
 def compiled_for_the_slice(executable, args) -> list | None:
     """A compiled executable's call during a warm-up call with abstract arguments:
     kept as the task's program, answered with abstract outputs. None: run it."""
@@ -302,6 +310,13 @@ class JaxEagerOnHost:
 
     def set_mesh(self, mesh):
         return self._jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def precompilation_eager_on_host() -> None:
+    """The compilation manager's module global `jax`, replaced by `JaxEagerOnHost`."""
+    import jax
+    from tpu_inference.runner import compilation_manager
+    compilation_manager.jax = JaxEagerOnHost(jax)
 
 
 class EmbeddingAnswers:
