@@ -32,11 +32,12 @@ def live_rows(requests: int, tokens: int) -> int:
     return max(1 << (requests - 1).bit_length(), tokens // 8)
 
 
-def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
+def verify_and_draft(runner, live_rows, kv_shardings, rng, logits, input_ids, spec, sampling,
                      aux_hidden_states, attn_metadata, draft_inputs, state_leaves, kv_caches):
     """Upstream's calls of an EAGLE-3 step after the forward pass, in its order and
     with its arguments, as one program (`runner` is static: its config and modules;
-    `live_rows` too: speculation.live_rows)."""
+    `live_rows` too: speculation.live_rows; `kv_shardings`, the caches' shardings,
+    which the caches it returns keep)."""
     import jax
     from tpu_inference.runner import tpu_runner
     from tpu_inference.spec_decode.jax import utils
@@ -81,6 +82,10 @@ def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
     drafts = (drafts[:, None] if drafts.ndim == 1 else drafts)[:, :k]
     ahead = (utils.concat_last_sampled_tokens_and_draft_tokens(last, drafts)
              if runner.scheduler_config.async_scheduling else None)
+    # Unconstrained, they came back replicated: a different argument for every later
+    # step than the first (one more program each), and on several devices a copy each.
+    kv_caches = [jax.lax.with_sharding_constraint(c, sharding)
+                 for c, sharding in zip(kv_caches, kv_shardings)]
     return dict(rng=rng, next_tokens=next_tokens, last=last, rejected=rejected, drafts=drafts,
                 ahead=ahead, kv_caches=kv_caches)
 
@@ -88,7 +93,7 @@ def verify_and_draft(runner, live_rows, rng, logits, input_ids, spec, sampling,
 @functools.cache
 def _compiled():
     import jax
-    return jax.jit(verify_and_draft, static_argnums=(0, 1), donate_argnames=("kv_caches", ))
+    return jax.jit(verify_and_draft, static_argnums=(0, 1, 2), donate_argnames=("kv_caches", ))
 
 
 
@@ -108,9 +113,10 @@ def run(runner, a: dict) -> "Replay":
             a["spec_decode_metadata"], a["tpu_sampling_metadata"], a["aux_hidden_states"],
             draft_attention(a["attn_metadata"]), device, runner.drafter.state_leaves,
             runner.kv_caches)
+    statics = (runner, rows, tuple(c.sharding for c in runner.kv_caches))
     from tpu_models.speculative import warm_up
-    warm_up.compile_sampled_twin(runner, rows, args)  # in a warm-up's greedy step
-    fused = _compiled()(runner, rows, *args)
+    warm_up.compile_sampled_twin(_compiled(), statics, args)  # in a warm-up's greedy step
+    fused = _compiled()(*statics, *args)
     runner.kv_caches = fused["kv_caches"]  # the old ones were donated
     return Replay(runner, a, fused, host, device)
 

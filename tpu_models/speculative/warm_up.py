@@ -105,53 +105,47 @@ def serve(engine_core) -> None:
         "programs compiled", len(made), twins, time.perf_counter() - began)
 
 
-def compile_sampled_twin(runner, rows: int, args: tuple) -> None:
-    """In a step of the warm-up's greedy requests (fusion.run's `rows` and `args`):
-    the fused program for the same step sampled (do_sampling, static, is all that
-    differs) is lowered here and compiled on a thread of its own while the engine goes
-    on, once a shape. Its first sampled step then finds it in jit's caches."""
+def compile_sampled_twin(program, statics: tuple, args: tuple) -> None:
+    """In a step of the warm-up's greedy requests (fusion.run's jitted `program`, its
+    `statics`, the runner first, and `args`): the fused program for the same step
+    sampled (do_sampling, static, is all that differs) is lowered here and compiled
+    on a thread of its own while the engine goes on, once a shape. Its first sampled
+    step then finds it in jit's caches."""
     import dataclasses
 
     import jax
 
-    sampling = args[4]
+    runner, sampling = statics[0], args[4]
     if sampling.do_sampling or not all(r.startswith(PREFIX) for r in runner.input_batch.req_ids):
         return
 
-    def abstract(x):
-        if not isinstance(x, jax.Array):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                    weak_type=x.aval.weak_type)
-
-    twin = [*jax.tree.map(abstract, args)]
-    key = f"{rows} {[getattr(x, 'shape', x) for x in jax.tree.leaves(twin[:8])]}"
+    # The step's own arrays, not their shapes: lowered from shapes alone, the program
+    # was not found by the sampled step's call (jit's tracing cache keys them apart).
+    key = f"{statics[1:]} {[getattr(x, 'shape', x) for x in jax.tree.leaves(args[:8])]}"
     if key in _twins:
         return
     try:
-        twin[4] = dataclasses.replace(twin[4], do_sampling=True, **_sampled(runner, args[3]))
-        from tpu_models.speculative import fusion
-        lowered = fusion._compiled().lower(runner, rows, *twin)
+        twin = (*args[:4], dataclasses.replace(sampling, do_sampling=True,
+                                               **_sampled(runner, args[3])), *args[5:])
+        _twins[key] = _compiler().submit(program.lower(*statics, *twin).compile)
     except Exception as e:  # the step itself is unaffected: it runs as it would
         _twins[key] = concurrent.futures.Future()
         _twins[key].set_exception(e)
-        return
-    _twins[key] = _compiler().submit(lowered.compile)
 
 
 def _sampled(runner, spec) -> dict:
     """A sampled step's temperature, top_k and top_p (a greedy step's are None), as
     the runner puts them: a row a request, sharded as upstream's sampler expects."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
     from tpu_inference.layers.common.sharding import ShardingAxisName
 
     sharding = NamedSharding(runner.mesh, PartitionSpec(ShardingAxisName.ATTN_DATA))
     rows = spec.bonus_logits_indices.shape  # the step's padded requests
-    return {name: jax.ShapeDtypeStruct(rows, dtype, sharding=sharding)
-            for name, dtype in (("temperature", jnp.float32), ("top_k", jnp.int32),
-                                ("top_p", jnp.float32))}
+    return {name: jax.device_put(np.ones(rows, dtype), sharding)
+            for name, dtype in (("temperature", np.float32), ("top_k", np.int32),
+                                ("top_p", np.float32))}
 
 
 @functools.cache
@@ -166,7 +160,7 @@ def twins_compiled(worker=None) -> int:
     from tpu_inference.logger import init_logger
 
     done = 0
-    for key, future in list(_twins.items()):
+    for future in list(_twins.values()):
         try:
             future.result()
             done += 1
