@@ -24,14 +24,22 @@ PREFIX = "tpu-models-warm-up-"
 _twins: dict[str, concurrent.futures.Future] = {}
 
 
-def wanted(vllm_config) -> bool:
-    """An EAGLE-3 engine that precompiles at all (SKIP_JAX_PRECOMPILE=1 skips this too),
-    on one data-parallel rank (ranks step together: one alone would wait for the rest)."""
+def precompiled_eagle3(vllm_config) -> bool:
+    """An EAGLE-3 engine that precompiles at all (SKIP_JAX_PRECOMPILE=1: nothing here)."""
     from tpu_inference import envs
 
     spec = vllm_config.speculative_config
     return (spec is not None and spec.method == "eagle3" and not envs.SKIP_JAX_PRECOMPILE
-            and not vllm_config.model_config.enforce_eager
+            and not vllm_config.model_config.enforce_eager)
+
+
+def wanted(vllm_config) -> bool:
+    """Whether the engine serves the warm-up: a `precompiled_eagle3` engine on one
+    data-parallel rank (ranks step together: one alone would wait for the rest) that
+    runs (`tpu-models compile`'s engine has no arrays to run requests on)."""
+    from tpu_models.host import compile_target
+
+    return (precompiled_eagle3(vllm_config) and compile_target() is None
             and vllm_config.parallel_config.data_parallel_size == 1)
 
 
@@ -46,10 +54,10 @@ def buckets_from_a_decode_step(runner) -> None:
     start at 1): only a request's last steps (fewer drafts to fit max_tokens) and
     prompts of under 1 + k tokens met them, and each was a program of the model
     step and of the fused step to compile and warm up; those steps pad to it."""
-    if not wanted(runner.vllm_config):
+    if not precompiled_eagle3(runner.vllm_config):
         return
     smallest = decode_step_tokens(runner.vllm_config)
-    kept = [b for b in runner.num_tokens_paddings if b >= smallest]
+    kept = [b for b in runner.num_tokens_paddings if b // runner.dp_size >= smallest]
     if kept and len(kept) < len(runner.num_tokens_paddings):
         runner.num_tokens_paddings = kept
         runner.num_tokens_paddings_per_dp = [b // runner.dp_size for b in kept]
