@@ -5,7 +5,7 @@ tpu-inference compiles before serving: each shape compiles when a step first
 meets it (3-5 s apiece for the demo on two cores), so a user's first request
 waited 5-10 s and looked hung. Here the engine core serves greedy requests of
 its own before its start-up handshake ends (`serve`), one for each token bucket
-a lone request's prompt step can meet (`prompt_lengths`): through its own
+a lone request's prompt step can meet (the runner's, `prompt_lengths`): through its own
 scheduler and runner, so the programs compiled are exactly those real steps
 run, whatever their arguments' shapes. Each of their steps also has its sampled
 twin compiled on a thread beside the engine (`compile_sampled_twin`): the same
@@ -63,18 +63,17 @@ def buckets_from_a_decode_step(runner) -> None:
         runner.num_tokens_paddings_per_dp = [b // runner.dp_size for b in kept]
 
 
-def prompt_lengths(vllm_config) -> list[int]:
-    """A prompt for each token bucket a lone request's prompt step can meet (powers of
-    two, from a decode step's 1 + k tokens to the step's budget): its prompt step
-    runs at that bucket, its decode steps at the smallest. Longer prompts are read in
-    chunks of the largest."""
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    longest = vllm_config.model_config.max_model_len - TOKENS
-    bucket, lengths = decode_step_tokens(vllm_config), []
-    while bucket <= budget:
-        lengths.append(min(bucket, longest))
-        bucket *= 2
-    return sorted(set(lengths))
+def token_buckets(worker=None) -> list[int]:
+    """The runner's token buckets (on a worker, by the engine's collective_rpc), as
+    it pads a step to them after `buckets_from_a_decode_step`."""
+    return list(worker.model_runner.num_tokens_paddings_per_dp)
+
+
+def prompt_lengths(buckets: list[int], max_model_len: int) -> list[int]:
+    """A prompt for each token bucket (`buckets`) a lone request's prompt step can
+    meet: its prompt step runs at that bucket, its decode steps at the smallest.
+    Longer prompts are read in chunks of the largest."""
+    return sorted({min(bucket, max_model_len - TOKENS) for bucket in buckets})
 
 
 def requests(engine_core) -> list:
@@ -88,9 +87,10 @@ def requests(engine_core) -> list:
     rng = np.random.default_rng(0)
     vocab = config.model_config.get_vocab_size()
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    buckets = engine_core.collective_rpc(token_buckets)[0]
     return [Request(f"{PREFIX}{i}", rng.integers(3, vocab, length).tolist(), params, None,
                     block_hasher=engine_core.request_block_hasher)
-            for i, length in enumerate(prompt_lengths(config))]
+            for i, length in enumerate(prompt_lengths(buckets, config.model_config.max_model_len))]
 
 
 def serve(engine_core) -> None:
