@@ -18,6 +18,8 @@ import contextlib
 import functools
 import inspect
 
+from tpu_models.speculative import warm_up
+
 # EAGLE-3 steps by how they ran: "fused", "fallback" (not eligible), "redrafted"
 # (our draft inputs differed from upstream's: its own draft computed them),
 # "failed" (no fusion).
@@ -114,7 +116,6 @@ def run(runner, a: dict) -> "Replay":
             draft_attention(a["attn_metadata"]), device, runner.drafter.state_leaves,
             runner.kv_caches)
     statics = (runner, rows, tuple(c.sharding for c in runner.kv_caches))
-    from tpu_models.speculative import warm_up
     warm_up.compile_sampled_twin(_compiled(), statics, args)  # in a warm-up's greedy step
     fused = _compiled()(*statics, *args)
     runner.kv_caches = fused["kv_caches"]  # the old ones were donated
