@@ -105,6 +105,8 @@ CASES = {
     "top-p 0.7": {"top_p": 0.7},
     # Ours (tpu-inference's sampler has none of them), half of the draws seeded.
     "min-p 0.2, logit_bias, seeded": {"min_p": 0.2, "logit_bias": "lift the 4th", "seed": 123},
+    # Seeded, so ours: its top-k and top-p masks, computed only where a row asks.
+    "top-k 12, top-p 0.8, seeded": {"top_k": 12, "top_p": 0.8, "seed": 7},
 }
 
 

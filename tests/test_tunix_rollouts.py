@@ -85,6 +85,8 @@ def test_rollouts_equal_tunix_sampler_at_load_and_after_each_sync(reports):
     report = reports["tp1"]
     check_rounds(report)
     assert report["kv_cache_groups"] == 6  # sliding-window layers in groups of their own
+    # vLLM's default, where Tunix's RolloutConfig says False: these rollouts ran with it.
+    assert report["async_scheduling"] is True
 
 
 def test_lora_rollouts_equal_tunix_sampler_merged_and_in_slots(reports):

@@ -111,6 +111,7 @@ def main() -> None:
     runner = engine._sampler._model_runner
     report["mesh"] = dict(runner.mesh.shape)
     report["kv_cache_groups"] = len(runner.kv_cache_config.kv_cache_groups)
+    report["async_scheduling"] = runner.scheduler_config.async_scheduling
     report["refused"] = refusals(model, cfg, runner)
     sampled = base_rollout.RolloutConfig(**{**config.__dict__, "temperature": 1.0, "seed": 5})
     report["seeded"] = [engine.generate([prompts[2]] * 2, sampled).tokens.tolist()

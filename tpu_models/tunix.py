@@ -61,9 +61,11 @@ class SyncError(ValueError):
 
 
 def mapping_config(model: nnx.Module, *, lora_alpha: float | None = None,
-                   lora: str = "slots") -> "RolloutMapping":
+                   lora: str = "slots", async_scheduling: bool | None = None) -> "RolloutMapping":
     """What Tunix takes as `RolloutConfig.rollout_mapping_config` for `model`, a Tunix
-    model our engine serves (its full weights, and its qwix LoRA if it has one)."""
+    model our engine serves (its full weights, and its qwix LoRA if it has one).
+    `async_scheduling`: vLLM's (None: vLLM's default, on; Tunix's config turns it
+    off unless it says True)."""
     if lora not in LORA_MODES:
         raise ValueError(f"lora={lora!r}: one of {', '.join(LORA_MODES)}")
     leaves = trainer_leaves(nnx.state(model))
@@ -78,7 +80,8 @@ def mapping_config(model: nnx.Module, *, lora_alpha: float | None = None,
         to_hf_mappings={_dotted(rule.source): (_dotted(hf), None)
                         for hf, rule in rules.items() if rule.index is None},
         architecture=arch.hf_name, lora_alpha=lora_alpha, lora_rank=rank,
-        lora_mode=lora if rank else None, dtype=str(max(set(dtypes), key=dtypes.count)))
+        lora_mode=lora if rank else None, dtype=str(max(set(dtypes), key=dtypes.count)),
+        async_scheduling=async_scheduling)
 
 
 @dataclasses.dataclass
@@ -92,6 +95,8 @@ class RolloutMapping(MappingConfig):
     # The engine's --dtype: the trainer's, so that rollout log-probabilities are its
     # (vLLM would serve a float32 checkpoint in bfloat16).
     dtype: str | None = None
+    # vLLM's --async-scheduling for the rollouts (None: vLLM's default; Tunix says False).
+    async_scheduling: bool | None = None
     _plan: Any = dataclasses.field(default=None, repr=False)
 
     def sync(self, state: nnx.State, runner) -> dict[str, int]:

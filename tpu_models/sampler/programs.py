@@ -172,18 +172,27 @@ def _sample_rows(rng, logits, metadata):
 
 def _draw(rng, logits, greedy, metadata):
     """Temperature, min_p, top-k, top-p (tpu-inference's own masks), one categorical
-    draw per row: (tokens, processed logits), greedy rows keeping their argmax."""
+    draw per row: (tokens, processed logits), greedy rows keeping their argmax. A
+    filter no row of the step applies is not computed (`metadata.filters`)."""
     import jax
     import jax.numpy as jnp
+    from tpu_inference.layers.common.binary_search import topk_mask, topp_mask
     from tpu_inference.layers.jax.sample import sampling
 
     is_greedy = metadata.temperature < sampling._SAMPLING_EPS
     scaled = logits / jnp.where(is_greedy, 1.0, metadata.temperature)[:, None]
-    probs = jax.nn.softmax(scaled, axis=-1)
-    kept = probs >= metadata.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    scaled = jnp.where(kept, scaled, MASKED)
-    top_k_top_p = dataclasses.replace(metadata, temperature=jnp.ones_like(metadata.temperature))
-    processed = sampling._apply_sampling_transforms(scaled, top_k_top_p)
+    if "min_p" in metadata.filters:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        kept = probs >= metadata.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(kept, scaled, MASKED)
+    # As tpu-inference's _apply_sampling_transforms applies them, after temperature.
+    processed = scaled
+    if "top_k" in metadata.filters:
+        processed = jnp.where((metadata.top_k > 0)[:, None],
+                              topk_mask(processed, metadata.top_k, replace_val=MASKED), processed)
+    if "top_p" in metadata.filters:
+        processed = jnp.where((metadata.top_p < 1.0)[:, None],
+                              topp_mask(processed, metadata.top_p, replace_val=MASKED), processed)
 
     impl = jax.random.key_impl(rng)
     rows = jnp.arange(logits.shape[0], dtype=jnp.int32)
