@@ -203,10 +203,19 @@ def test_explain_accounts_for_the_decode_steps_bytes(tmp_path):
     assert reads["full_cache_bytes"] == pytest.approx(report["per_chip"]["kv_cache_bytes"])
     assert {p["kv_read_bytes"] for p in programs(report, "backbone")} == {kv_read}
     assert all(p["kv_read_bytes"] == 0 for p in report["programs"] if p["name"] != "backbone")
+    copies = groups["copies and pads"]
+    assert 0 <= copies["in_vmem_bytes"] <= copies["bytes"]
     for line in ("Where backbone (tokens 16, requests 8)'s bytes go", "not a measurement",
                  *(f"largest, {g}: " for g in ("weights", "activations", "collectives")),
-                 "the attention kernel's KV-cache reads"):
+                 "the attention kernel's KV-cache reads", "are arrays in VMEM (memory space 1)"):
         assert line in output, line
+    # A prefetch's result: its destination in VMEM (S(1)), its source, its sync flag
+    # (S(2), counted as 4 KiB): half of the 2 x 5.24 MB and the flag's 4 KiB in VMEM.
+    from tpu_models.server.tools.compile_explain import vmem_share
+    prefetch = ("(bf16[2560,1024]{1,0:T(8,128)(2,1)S(1)}, bf16[2560,1024]{1,0:T(8,128)(2,1)}, "
+                "u32[]{:S(2)})")
+    assert vmem_share(prefetch) == pytest.approx(2560 * 1024 * 2 / (2 * 2560 * 1024 * 2 + 4096))
+    assert vmem_share("bf16[2560,1024]{1,0:T(8,128)(2,1)}") == 0
     # A name no program has is refused, naming those there are.
     from tpu_models.server.tools.compile_explain import ProgramNotFound, select
     with pytest.raises(ProgramNotFound, match=r"no such program; the programs: .*backbone"):

@@ -17,7 +17,9 @@ kernel's) as nothing. Each count goes to a group:
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute;
 - copies and pads: copy, copy-start/-done (a prefetch into VMEM), pad, transpose,
   reshape, slice, concatenate, bitcast-convert, fusions of nothing else, and the
-  reads of what a copy wrote (a weight prefetched counts once as weights);
+  reads of what a copy wrote (a weight prefetched counts once as weights); of
+  them, the bytes of arrays in VMEM (memory space 1, `S(1)` in their layout): a
+  prefetch's destination and its reader's reads, on-chip, no HBM bytes;
 - activations: everything else (step inputs, temporaries, outputs).
 
 What the compiler counted beyond these (or these beyond it) is "other": little
@@ -98,6 +100,15 @@ def shape_bytes(shape: str) -> int:
     return sum(_array_bytes(*array) for array in _ARRAY.findall(shape))
 
 
+@functools.lru_cache(maxsize=4096)
+def vmem_share(shape: str) -> float:
+    """The share of a shape's bytes in arrays placed in VMEM (memory space 1)."""
+    arrays = _ARRAY.findall(shape)
+    total = sum(_array_bytes(*a) for a in arrays)
+    vmem = sum(_array_bytes(*a) for a in arrays if "S(1)" in a[2])
+    return vmem / total if total else 0.0
+
+
 def _array_bytes(dtype: str, dims: str, layout: str) -> int:
     """An array's bytes, its minor dimensions padded to its tile (T(8,128): 8 rows of
     128 lanes). A DMA's sync flag (memory space 2) counts 4 KiB: libtpu's totals
@@ -130,6 +141,7 @@ class Count:
         self.ops: dict[str, dict[str, list]] = {g: {} for g in GROUPS}  # op -> [kind, bytes, what]
         self._fused_reads: dict[str, dict[int, int]] = {}
         self.kernel_calls = 0  # Pallas calls: nothing in the compiler's count
+        self.vmem_copies = 0.0  # of the copies' bytes, those of arrays in VMEM
         self._count(self.entry, 1)
 
     def _count(self, computation: str, times: int) -> None:
@@ -152,11 +164,11 @@ class Count:
 
     def _size_of(self, computation: str) -> int:
         """A computation's bytes, counted apart (nothing credited)."""
-        kept = self.bytes, self.ops, self.kernel_calls
+        kept = self.bytes, self.ops, self.kernel_calls, self.vmem_copies
         self.bytes, self.ops = collections.Counter(), {g: {} for g in GROUPS}
         self._count(computation, 1)
         size = sum(self.bytes.values())
-        self.bytes, self.ops, self.kernel_calls = kept
+        self.bytes, self.ops, self.kernel_calls, self.vmem_copies = kept
         return size
 
     def _add(self, op: Op, times: int) -> None:
@@ -169,10 +181,11 @@ class Count:
                 n = shape_bytes(source.shape) if source else 0
                 n = min(n, fused.get(i, n))
                 origin = self._origin(operand)
-                self._credit(origin or group, op, n * times)
+                self._credit(origin or group, op, n * times,
+                             vmem_share(source.shape) if source else 0.0)
                 if origin == KV_GROUP and source and source.shape == op.shape:
                     out_group = KV_GROUP  # the cache, updated in place
-        self._credit(out_group, op, shape_bytes(op.shape) * times)
+        self._credit(out_group, op, shape_bytes(op.shape) * times, vmem_share(op.shape))
 
     def _origin(self, name: str) -> str | None:
         """What a value is when it is a parameter's (weights, KV cache) or a copy's,
@@ -215,10 +228,12 @@ class Count:
             self._fused_reads[called] = reads
         return self._fused_reads[called]
 
-    def _credit(self, group: str, op: Op, n: int) -> None:
+    def _credit(self, group: str, op: Op, n: int, in_vmem: float = 0.0) -> None:
         if not n:
             return
         self.bytes[group] += n
+        if group == COPIES:
+            self.vmem_copies += n * in_vmem
         entry = self.ops[group].setdefault(op.name, [_kind(op), 0, _what(op)])
         entry[1] += n
 
@@ -268,6 +283,7 @@ def breakdown(count: Count, entry: dict, bandwidth: float, full_cache_ratio: flo
             "ops": dict(collections.Counter(kind for _, (kind, _, _) in ops).most_common()),
             "largest": [{"op": name, "kind": kind, "bytes": n, "from": what}
                         for name, (kind, n, what) in ops[:3]]}
+    groups[COPIES]["in_vmem_bytes"] = count.vmem_copies
     kv = entry["kv_read_bytes"]
     return {"based_on": BASED_ON, "groups": groups,
             "other_bytes": total - sum(count.bytes.values()),
@@ -332,6 +348,14 @@ def show(report: dict, indices: list[int]) -> None:
             console.print(f"{label}: not compiled ({entry.get('error', '')[:200]})")
             continue
         console.print(_table(entry, label, bandwidth))
+        vmem = entry["explain"]["groups"][COPIES]["in_vmem_bytes"]
+        hbm = entry["bytes_accessed"] - vmem
+        weights = report["per_chip"]["weights_bytes"]
+        console.print(
+            f"  of the copies and pads, {vmem / 1e6:,.3f} MB are arrays in VMEM (memory space "
+            f"1): prefetches' destinations and their readers' reads, on-chip, no HBM bytes. "
+            f"The rest, {hbm / 1e6:,.2f} MB ({hbm / bandwidth * 1e3:.3f} ms), is "
+            f"{hbm / weights:.2f}x the {weights / 1e6:,.2f} MB of weights a chip holds")
         for name, group in entry["explain"]["groups"].items():
             if group["largest"]:
                 console.print(f"  largest, {name}: " + "; ".join(
