@@ -8,9 +8,9 @@ the sampler, and why:
   (`engine_arguments`).
 - It turns vLLM's asynchronous scheduling off (RolloutConfig's default, False,
   where vLLM's own is on): every step's scheduling and output handling then waited
-  for the model. With our mapping vLLM decides, as for `vllm serve` (1.6x more
-  GRPO completions/s at the tiny shape, benchmarks/README.md); the mapping's
-  `async_scheduling=False` keeps it off.
+  for the model. With our mapping vLLM decides, as for `vllm serve`
+  (benchmarks/README.md, `bench tunix`); the mapping's `async_scheduling=False`
+  keeps it off.
 - Its prompts gained the EOS id at their end, which Tunix's own Sampler does not
   add: the rollout engine answered another prompt than the trainer scores
   (`tokenized`).
@@ -54,17 +54,20 @@ def ours(sampler):
 def engine_arguments(args: dict, config) -> dict:
     """VllmSampler's engine arguments `args` for its `config`, as vLLM 0.32 takes them:
     those EngineArgs no longer has dropped (swap_space: the KV cache never swaps), our
-    mapping's dtype and asynchronous scheduling, and LoRA slots for a mapping that writes its adapter there."""
+    mapping's dtype and asynchronous scheduling, and LoRA slots for a mapping that
+    writes its adapter there."""
     from vllm.engine.arg_utils import EngineArgs
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in [k for k in args if k not in fields]:
         del args[name]
     mapping = config.mapping_config
-    if callable(getattr(mapping, "sync", None)) and not args.get("async_scheduling"):
+    if not callable(getattr(mapping, "sync", None)):  # not ours: Tunix's own copy
+        return args
+    if not args.get("async_scheduling"):
         args["async_scheduling"] = mapping.async_scheduling  # None: vLLM's default
-    if callable(getattr(mapping, "sync", None)) and mapping.dtype:
+    if mapping.dtype:
         args.setdefault("dtype", mapping.dtype)
-    if callable(getattr(mapping, "sync", None)) and mapping.lora_mode == "slots":
+    if mapping.lora_mode == "slots":
         if config.server_mode:
             raise ValueError("tpu_models.tunix: lora='slots' rollouts run with "
                              "rollout_vllm_server_mode=False")
