@@ -87,6 +87,8 @@ def test_rollouts_equal_tunix_sampler_at_load_and_after_each_sync(reports):
     assert report["kv_cache_groups"] == 6  # sliding-window layers in groups of their own
     # vLLM's default, where Tunix's RolloutConfig says False: these rollouts ran with it.
     assert report["async_scheduling"] is True
+    # The sampler asks for logprobs=1 (compared with Tunix's above): a top 1 a step.
+    assert report["max_logprobs"] == 1
 
 
 def test_lora_rollouts_equal_tunix_sampler_merged_and_in_slots(reports):

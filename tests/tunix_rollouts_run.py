@@ -112,6 +112,7 @@ def main() -> None:
     report["mesh"] = dict(runner.mesh.shape)
     report["kv_cache_groups"] = len(runner.kv_cache_config.kv_cache_groups)
     report["async_scheduling"] = runner.scheduler_config.async_scheduling
+    report["max_logprobs"] = runner.model_config.max_logprobs
     report["refused"] = refusals(model, cfg, runner)
     sampled = base_rollout.RolloutConfig(**{**config.__dict__, "temperature": 1.0, "seed": 5})
     report["seeded"] = [engine.generate([prompts[2]] * 2, sampled).tokens.tolist()

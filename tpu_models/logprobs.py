@@ -57,12 +57,28 @@ def gather(logits, token_ids, max_logprobs: int):
 
 
 def _gather_rows(logits, token_ids, max_logprobs: int):
+    """jax.nn.log_softmax's arithmetic, (x - max) - log(sum(exp(x - max))), applied
+    where it is read: the [rows, vocab] log-probs are written only for lax.top_k of
+    more than one (it reads an array); a top 1 is their argmax (top_k, too, puts the
+    lower id first among equals). Each value is upstream's, computed by the same
+    operations."""
     import jax
     import jax.numpy as jnp
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, k=max_logprobs)
+    x = logits.astype(jnp.float32)
+    shift = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    log_z = jnp.log(jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True))
+
+    def logprob(values):
+        return (values - shift) - log_z
+
+    logprobs = logprob(x)
     token_ids = token_ids[:, None]
-    token_logprobs = jnp.take_along_axis(logprobs, token_ids, axis=-1)
+    token_logprobs = logprob(jnp.take_along_axis(x, token_ids, axis=-1))
+    if max_logprobs == 1:
+        top_ids = jnp.argmax(logprobs, axis=-1, keepdims=True)
+        top_logprobs = logprob(jnp.take_along_axis(x, top_ids, axis=-1))
+    else:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, k=max_logprobs)
     ranks = jnp.sum(logprobs >= token_logprobs, axis=-1)
     ids = jnp.concatenate((token_ids, top_ids), axis=1).astype(jnp.int32)
     return ids, jnp.concatenate((token_logprobs, top_logprobs), axis=1), ranks

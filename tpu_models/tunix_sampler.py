@@ -14,6 +14,10 @@ the sampler, and why:
 - Its prompts gained the EOS id at their end, which Tunix's own Sampler does not
   add: the rollout engine answered another prompt than the trainer scores
   (`tokenized`).
+- It asks every request for logprobs=1, and leaves the engine's --max-logprobs at
+  vLLM's 20: each step took the top 20 of every row's log-probs where a top 1 is
+  an argmax (at 32 rows of 262,144 ids on this host: 54 ms against 29 ms).
+  With our mapping the engine's --max-logprobs is 1 (`engine_arguments`).
 - Its per-request `seed` is dropped ("vLLM Jax backend doesn't support per request
   seed"); ours applies it: request i of a call gets seed + i, so a batch's rows
   differ and two rollouts with the same seed agree (`requests_seeded_and_adapted`).
@@ -54,8 +58,8 @@ def ours(sampler):
 def engine_arguments(args: dict, config) -> dict:
     """VllmSampler's engine arguments `args` for its `config`, as vLLM 0.32 takes them:
     those EngineArgs no longer has dropped (swap_space: the KV cache never swaps), our
-    mapping's dtype and asynchronous scheduling, and LoRA slots for a mapping that
-    writes its adapter there."""
+    mapping's dtype and asynchronous scheduling, the log-probs it asks for, and LoRA
+    slots for a mapping that writes its adapter there."""
     from vllm.engine.arg_utils import EngineArgs
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in [k for k in args if k not in fields]:
@@ -65,6 +69,8 @@ def engine_arguments(args: dict, config) -> dict:
         return args
     if not args.get("async_scheduling"):
         args["async_scheduling"] = mapping.async_scheduling  # None: vLLM's default
+    # The sampler asks every request for logprobs=1: a step's top 1, not vLLM's 20.
+    args.setdefault("max_logprobs", 1)
     if mapping.dtype:
         args.setdefault("dtype", mapping.dtype)
     if mapping.lora_mode == "slots":

@@ -47,9 +47,12 @@ def from_input_batch(original, cls, mesh, input_batch, padded_num_reqs, req_indi
 
 
 def sample(original, rng, mesh, logits, tpu_sampling_metadata, allow_distributed_sampling=True):
-    """tpu-inference's sample(): ours for our metadata."""
+    """tpu-inference's sample(): ours for our metadata. Upstream allows distributed
+    sampling exactly where its processed logits are not read, and ours then
+    returns none."""
     if isinstance(tpu_sampling_metadata, extended_metadata.metadata_class()):
-        return programs.sample(rng, mesh, logits, tpu_sampling_metadata)
+        return programs.sample(rng, mesh, logits, tpu_sampling_metadata,
+                               processed=not allow_distributed_sampling)
     return original(rng, mesh, logits, tpu_sampling_metadata,
                     allow_distributed_sampling=allow_distributed_sampling)
 
@@ -59,7 +62,8 @@ def sample_traced(original, rng, mesh, logits, tpu_sampling_metadata,
     """sample()'s `__wrapped__`: the same choice inside a program that calls it
     (adapt.spec_fusion); `original` is upstream's, unjitted."""
     if isinstance(tpu_sampling_metadata, extended_metadata.metadata_class()):
-        return programs.sample_extended(rng, mesh, logits, tpu_sampling_metadata)
+        return programs.sample_extended(rng, mesh, logits, tpu_sampling_metadata,
+                                        processed=not allow_distributed_sampling)
     return original(rng, mesh, logits, tpu_sampling_metadata,
                     allow_distributed_sampling=allow_distributed_sampling)
 

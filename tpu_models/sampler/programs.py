@@ -17,7 +17,7 @@ MASKED = -1e12  # tpu-inference's value for a token top-k or top-p removed
 def _compiled(counting: bool):
     import jax
     # The counts are donated: updated in place, a step's new arrays the next's input.
-    return jax.jit(sample_extended, static_argnames=["mesh"],
+    return jax.jit(sample_extended, static_argnames=["mesh", "processed"],
                    donate_argnums=(4, 5) if counting else ())
 
 
@@ -34,18 +34,19 @@ class DrawnInVerification:
         return "<bonus token ids: drawn in verification (tpu_models.sampler.programs)>"
 
 
-def sample(rng, mesh, logits, metadata):
+def sample(rng, mesh, logits, metadata, processed: bool = True):
     """(tokens, processed logits) for a batch with our metadata; a batch whose
     penalties or bad words read TokenCounts adds its tokens to them. Beside drafts,
     such a batch's bonus tokens are left to `verify` (DrawnInVerification): their
-    counts include the drafts."""
+    counts include the drafts. `processed`: whether the processed logits are read
+    (log-probs of a processed --logprobs-mode); if not, None in their place."""
     if metadata.slot is not None and metadata.drafts:
         return DrawnInVerification(rng, logits), logits
     if metadata.slot is None:
-        return _compiled(False)(rng, mesh, logits, metadata)
+        return _compiled(False)(rng, mesh, logits, metadata, processed=processed)
     counts = token_counts()
     tokens, processed, counts.counts, counts.recent = _compiled(True)(
-        rng, mesh, logits, metadata, counts.counts, counts.recent)
+        rng, mesh, logits, metadata, counts.counts, counts.recent, processed=processed)
     return tokens, processed
 
 
@@ -67,7 +68,7 @@ def verify(draft_ids, num_draft, target_logits, bonus: DrawnInVerification, meta
     return out
 
 
-def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
+def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None, processed=True):
     """vLLM's order (v1/sample/sampler.py): allowed ids, bad words, min_tokens and
     logit_bias, then the penalties, on the logits (greedy rows too); then temperature,
     min_p, top-k, top-p (tpu-inference's own masks), and one categorical draw per row.
@@ -75,7 +76,9 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
     depends on its seed alone, not on the batch.
 
     With `counts` and `recent` (TokenCounts' arrays) it also returns them updated
-    with the tokens it kept."""
+    with the tokens it kept. Without `processed`, None in place of the processed
+    logits: a [rows, vocab] array written for nothing where log-probs are of the raw
+    logits (--logprobs-mode's default) or not asked."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -89,7 +92,8 @@ def sample_extended(rng, mesh, logits, metadata, counts=None, recent=None):
     if penalized:
         own = recent.at[metadata.slot].get(mode="fill", fill_value=NO_TOKEN)
         seen = counts.at[metadata.slot].get(mode="fill", fill_value=0)
-    tokens, processed = _sample_rows(rng, adjusted(logits, metadata, seen, own), metadata)
+    tokens, processed = _sample_rows(rng, adjusted(logits, metadata, seen, own), metadata,
+                                     processed)
     tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
     if not penalized:
         return tokens, processed
@@ -108,14 +112,18 @@ def _kept_slot(metadata, counts):
 def adjusted(logits, metadata, seen=None, own=None):
     """The logits after allowed ids, bad words, min_tokens and logit_bias, and the
     penalties, in vLLM's order; `seen` and `own` are each row's TokenCounts row and
-    recent ids (None in a batch without penalties or bad words)."""
+    recent ids (None in a batch without penalties or bad words). A step no row of
+    the batch applies (`metadata.applies`) is not computed."""
     import jax.numpy as jnp
     rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
-    allowed = jnp.zeros(logits.shape, bool).at[rows, metadata.allowed_ids].set(True, mode="drop")
-    logits = jnp.where(metadata.restricted[:, None] & ~allowed, -jnp.inf, logits)
+    if "allowed_token_ids" in metadata.applies:
+        allowed = jnp.zeros(logits.shape, bool).at[rows, metadata.allowed_ids].set(
+            True, mode="drop")
+        logits = jnp.where(metadata.restricted[:, None] & ~allowed, -jnp.inf, logits)
     if seen is not None:
         logits = ban_bad_words(logits, rows, own, metadata)
-    logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
+    if "logit_bias" in metadata.applies:
+        logits = logits.at[rows, metadata.bias_ids].add(metadata.bias, mode="drop")
     if seen is not None:
         logits = penalize(logits, seen, metadata)
     return logits
@@ -161,19 +169,21 @@ def with_drafts(seen, own, drafts, before):
     return seen, jnp.take_along_axis(ids, before + jnp.arange(RECENT), axis=1)
 
 
-def _sample_rows(rng, logits, metadata):
+def _sample_rows(rng, logits, metadata, processed=True):
     """(tokens, processed logits) from adjusted logits."""
     import jax.numpy as jnp
     greedy = jnp.argmax(logits, axis=-1)
     if metadata.do_sampling:
-        return _draw(rng, logits, greedy, metadata)
-    return greedy, logits  # a batch of greedy requests: nothing to draw, no vocabulary-wide sort
+        return _draw(rng, logits, greedy, metadata, processed)
+    # A batch of greedy requests: nothing to draw, no vocabulary-wide sort.
+    return greedy, logits if processed else None
 
 
-def _draw(rng, logits, greedy, metadata):
+def _draw(rng, logits, greedy, metadata, processed=True):
     """Temperature, min_p, top-k, top-p (tpu-inference's own masks), one categorical
     draw per row: (tokens, processed logits), greedy rows keeping their argmax. A
-    filter no row of the step applies is not computed (`metadata.filters`)."""
+    filter no row of the step applies is not computed (`metadata.applies`); the
+    processed logits only where `processed` (else None)."""
     import jax
     import jax.numpy as jnp
     from tpu_inference.layers.common.binary_search import topk_mask, topp_mask
@@ -181,18 +191,18 @@ def _draw(rng, logits, greedy, metadata):
 
     is_greedy = metadata.temperature < sampling._SAMPLING_EPS
     scaled = logits / jnp.where(is_greedy, 1.0, metadata.temperature)[:, None]
-    if "min_p" in metadata.filters:
+    if "min_p" in metadata.applies:
         probs = jax.nn.softmax(scaled, axis=-1)
         kept = probs >= metadata.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
         scaled = jnp.where(kept, scaled, MASKED)
     # As tpu-inference's _apply_sampling_transforms applies them, after temperature.
-    processed = scaled
-    if "top_k" in metadata.filters:
-        processed = jnp.where((metadata.top_k > 0)[:, None],
-                              topk_mask(processed, metadata.top_k, replace_val=MASKED), processed)
-    if "top_p" in metadata.filters:
-        processed = jnp.where((metadata.top_p < 1.0)[:, None],
-                              topp_mask(processed, metadata.top_p, replace_val=MASKED), processed)
+    filtered = scaled
+    if "top_k" in metadata.applies:
+        filtered = jnp.where((metadata.top_k > 0)[:, None],
+                             topk_mask(filtered, metadata.top_k, replace_val=MASKED), filtered)
+    if "top_p" in metadata.applies:
+        filtered = jnp.where((metadata.top_p < 1.0)[:, None],
+                             topp_mask(filtered, metadata.top_p, replace_val=MASKED), filtered)
 
     impl = jax.random.key_impl(rng)
     rows = jnp.arange(logits.shape[0], dtype=jnp.int32)
@@ -206,9 +216,9 @@ def _draw(rng, logits, greedy, metadata):
     keys = jax.random.wrap_key_data(
         jax.vmap(row_key)(metadata.seeded, metadata.seed_low, metadata.seed_high,
                           metadata.position, rows), impl=impl)
-    drawn = jax.vmap(categorical)(keys, processed)
-    return (jnp.where(is_greedy, greedy, drawn),
-            jnp.where(is_greedy[:, None], logits, processed))
+    drawn = jax.vmap(categorical)(keys, filtered)
+    tokens = jnp.where(is_greedy, greedy, drawn)
+    return tokens, jnp.where(is_greedy[:, None], logits, filtered) if processed else None
 
 
 BLOCK = 512  # ids a block; Gemma 3's 262,144 are 512 blocks of 512
