@@ -145,7 +145,8 @@ def extended(metadata, input_batch, n, sharding, rows, counted, step):
     temperature, seed = settings["temperature"], settings["seed"]
     sampled = temperature >= sampling._SAMPLING_EPS
     by_row = {"allowed_token_ids": settings["restricted"], "logit_bias": bias_ids < vocab,
-              "min_p": (settings["min_p"] > 0) & sampled, "top_k": (settings["top_k"] > 0) & sampled,
+              "min_p": (settings["min_p"] > 0) & sampled,
+              "top_k": (settings["top_k"] > 0) & sampled,
               "top_p": (settings["top_p"] < 1) & sampled}
     return metadata_class()(
         temperature=put(temperature), top_k=put(settings["top_k"]),

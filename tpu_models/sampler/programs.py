@@ -45,9 +45,9 @@ def sample(rng, mesh, logits, metadata, processed: bool = True):
     if metadata.slot is None:
         return _compiled(False)(rng, mesh, logits, metadata, processed=processed)
     counts = token_counts()
-    tokens, processed, counts.counts, counts.recent = _compiled(True)(
+    tokens, out, counts.counts, counts.recent = _compiled(True)(
         rng, mesh, logits, metadata, counts.counts, counts.recent, processed=processed)
-    return tokens, processed
+    return tokens, out
 
 
 @functools.cache
