@@ -396,3 +396,29 @@ def test_the_program_set_is_what_a_cpu_server_precompiles(demo_server, tmp_path)
     assert sum(served.values()) > 50
     assert compiled == Counter({key(name, ast.literal_eval(signature)): n
                                 for (name, signature), n in served.items()})
+
+
+def test_an_asynchronous_slice_counts_as_the_compiler_counts_it():
+    """slice-start (the 8B's weights into VMEM a third at a time) is its slice read and
+    written, slice-done its result, and a reader's read of it a copy's: counted so, the
+    8B decode step's groups add up to libtpu's 4,084.83 MB within 2 MB."""
+    from tpu_models.server.tools.compile_explain import (
+        ACTIVATIONS, COPIES, WEIGHTS_GROUP, Count)
+    tile, third = "{0:T(1024)(128)(4,1)", 4_194_304
+    hlo = f"""HloModule m
+
+%fused (p0: s8[{third}]) -> s8[{third}] {{
+  %p0 = s8[{third}]{tile}S(1)}} parameter(0)
+  ROOT %neg = s8[{third}]{tile}}} negate(%p0)
+}}
+
+ENTRY %main (w: s8[{3 * third}]) -> s8[{third}] {{
+  %w = s8[{3 * third}]{tile}}} parameter(0)
+  %slice-start = ((s8[{3 * third}]{tile}}}), s8[{third}]{tile}S(1)}}, s32[]{{:S(2)}}) slice-start(%w), slice={{[0:{third}]}}
+  %slice-done = s8[{third}]{tile}S(1)}} slice-done(%slice-start)
+  ROOT %fusion = s8[{third}]{tile}}} fusion(%slice-done), kind=kLoop, calls=%fused
+}}
+"""
+    count = Count(hlo, {f"s8[{3 * third}]": WEIGHTS_GROUP})
+    assert count.bytes == {WEIGHTS_GROUP: third, COPIES: 3 * third, ACTIVATIONS: third}
+    assert count.vmem_copies == 3 * third  # the slice written, completed and read, in VMEM
