@@ -6,11 +6,10 @@ analysis gives one figure for a whole program, the bytes it accesses (the report
 instruction from the optimized HLO text, the way XLA's cost analysis counts:
 each instruction's operands and result at their tiled (padded) sizes, an operand
 that a fusion only slices or gathers at the slices' size, a DMA's completion
-(`copy-done`, `slice-done`) by its result, an asynchronous slice (`slice-start`,
-an 8B's weights into VMEM a third at a time) as its slice read and written, a
-conditional's largest branch, a while loop's body once a trip (once where the
-HLO gives no trip count), a custom call (a Pallas kernel's) as nothing. Each
-count goes to a group:
+(`copy-done`, `slice-done`) by its result, a `slice-start` by its slice read and
+written, a conditional's largest branch, a while loop's body once a trip (once
+where the HLO gives no trip count), a custom call (a Pallas kernel's) as nothing.
+Each count goes to a group:
 
 - weights: the reads of the program's parameters that hold model weights, told by
   their shape on a chip (the accounting's live weight buffers);
@@ -55,8 +54,7 @@ _FUSED_MOVES = _MOVES | {"parameter", "constant", "bitcast", "broadcast", "tuple
 _UNCOUNTED = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
               "replica-id", "after-all", "custom-call"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
-# What a DMA wrote: its readers' reads are copies (a weight prefetched counts once as weights).
-_PREFETCHES = {"copy", "copy-start", "copy-done", "slice-start", "slice-done"}
+_PREFETCHES = {"copy", "copy-start", "copy-done", "slice-start", "slice-done"}  # DMAs' results
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16,
          "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64,
          "c64": 64, "c128": 128}
@@ -112,12 +110,6 @@ def vmem_share(shape: str) -> float:
     total = sum(_array_bytes(*a) for a in arrays)
     vmem = sum(_array_bytes(*a) for a in arrays if "S(1)" in a[2])
     return vmem / total if total else 0.0
-
-
-def _slice_of(start_shape: str) -> str:
-    """A slice-start's ((operand), slice, context) shape -> the slice's shape."""
-    dtype, dims, layout = _ARRAY.findall(start_shape)[1]
-    return f"{dtype}[{dims}]{{{layout}}}"
 
 
 def _array_bytes(dtype: str, dims: str, layout: str) -> int:
@@ -185,16 +177,14 @@ class Count:
     def _add(self, op: Op, times: int) -> None:
         group = self._group_of(op)
         out_group, out_shape = group, op.shape
-        if op.opcode == "slice-start":  # an asynchronous slice: the slice read, then written
-            out_shape = _slice_of(op.shape)
+        if op.opcode == "slice-start":  # ((operand), slice, context): the slice read, written
+            out_shape = "{}[{}]{{{}}}".format(*_ARRAY.findall(op.shape)[1])
         if not op.opcode.endswith("-done"):  # a DMA's completion: its result only
             fused = self._fused_reads_of(op) if op.opcode == "fusion" else {}
             for i, operand in enumerate(op.operands):
                 source = self.producers.get(operand)
                 n = shape_bytes(source.shape) if source else 0
-                n = min(n, fused.get(i, n))
-                if op.opcode == "slice-start":
-                    n = shape_bytes(out_shape)
+                n = shape_bytes(out_shape) if out_shape != op.shape else min(n, fused.get(i, n))
                 origin = self._origin(operand)
                 self._credit(origin or group, op, n * times,
                              vmem_share(source.shape) if source else 0.0)
