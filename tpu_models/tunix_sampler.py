@@ -51,7 +51,11 @@ ADAPTER_NAME, ADAPTER_ID, ADAPTER_PATH = "tunix-trainer", 1, "in memory: synced 
 
 def ours(sampler):
     """The sampler's mapping when it copies itself (tpu_models.tunix), else None."""
-    mapping = sampler.config.mapping_config
+    return _own_copy(sampler.config.mapping_config)
+
+
+def _own_copy(mapping):
+    """`mapping` when it is ours (RolloutMapping: it syncs itself), else None."""
     return mapping if callable(getattr(mapping, "sync", None)) else None
 
 
@@ -64,8 +68,8 @@ def engine_arguments(args: dict, config) -> dict:
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in [k for k in args if k not in fields]:
         del args[name]
-    mapping = config.mapping_config
-    if not callable(getattr(mapping, "sync", None)):  # not ours: Tunix's own copy
+    mapping = _own_copy(config.mapping_config)
+    if mapping is None:  # Tunix's own copy
         return args
     if not args.get("async_scheduling"):
         args["async_scheduling"] = mapping.async_scheduling  # None: vLLM's default
