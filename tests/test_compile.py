@@ -168,6 +168,15 @@ def test_explain_accounts_for_the_decode_steps_bytes(tmp_path):
     assert status == 0, output[-3000:]
     decode, = [p for p in report["programs"] if "explain" in p]
     assert (decode["name"], decode["tokens"]) == ("backbone", 16)
+    # A sampler's log-probs and plain variants differ only in tpu-inference's
+    # `_cache_collision_dummy` (the program adds 0 * its sum): compiled once a pair.
+    samplers = programs(report, "sample")
+    plain = [p for p in samplers if not p["signature"]["logprobs"]]
+    assert len(plain) == len(samplers) // 2 and all(
+        "'logprobs': True" in p["same_program_as"] and re.search(
+            rf"'num_reqs': {p['requests']}[,}}]", p["same_program_as"]) for p in plain), [
+        p.get("same_program_as") for p in plain]
+    assert not any("same_program_as" in p for p in samplers if p["signature"]["logprobs"])
     explain, total = decode["explain"], decode["bytes_accessed"]
     groups = explain["groups"]
     assert list(groups) == ["weights", "KV cache", "activations", "collectives", "copies and pads"]
@@ -400,25 +409,33 @@ def test_the_program_set_is_what_a_cpu_server_precompiles(demo_server, tmp_path)
 
 def test_an_asynchronous_slice_counts_as_the_compiler_counts_it():
     """slice-start (the 8B's weights into VMEM a third at a time) is its slice read and
-    written, slice-done its result, and a reader's read of it a copy's: counted so, the
-    8B decode step's groups add up to libtpu's 4,084.83 MB within 2 MB."""
+    written, slice-done its result, and a reader's read of the slices, joined in place
+    by a ConcatBitcast, a copy's in VMEM: counted so, the 8B decode step's groups add up
+    to libtpu's 4,084.83 MB within 2 MB, and its down projections read no HBM twice."""
     from tpu_models.server.tools.compile_explain import (
         ACTIVATIONS, COPIES, WEIGHTS_GROUP, Count)
     tile, third = "{0:T(1024)(128)(4,1)", 4_194_304
+    whole = f"s8[{3 * third}]{tile}S(1)}}"
+    slices = "\n".join(
+        f"  %slice-start.{i} = ((s8[{3 * third}]{tile}}}), s8[{third}]{tile}S(1)}}, "
+        f"s32[]{{:S(2)}}) slice-start(%w), slice={{[{i * third}:{(i + 1) * third}]}}\n"
+        f"  %slice-done.{i} = s8[{third}]{tile}S(1)}} slice-done(%slice-start.{i})"
+        for i in range(3))
     hlo = f"""HloModule m
 
-%fused (p0: s8[{third}]) -> s8[{third}] {{
-  %p0 = s8[{third}]{tile}S(1)}} parameter(0)
-  ROOT %neg = s8[{third}]{tile}}} negate(%p0)
+%fused (p0: s8[{3 * third}]) -> s8[16] {{
+  %p0 = {whole} parameter(0)
+  ROOT %neg = s8[16]{{0}} reduce(%p0)
 }}
 
-ENTRY %main (w: s8[{3 * third}]) -> s8[{third}] {{
+ENTRY %main (w: s8[{3 * third}]) -> s8[16] {{
   %w = s8[{3 * third}]{tile}}} parameter(0)
-  %slice-start = ((s8[{3 * third}]{tile}}}), s8[{third}]{tile}S(1)}}, s32[]{{:S(2)}}) slice-start(%w), slice={{[0:{third}]}}
-  %slice-done = s8[{third}]{tile}S(1)}} slice-done(%slice-start)
-  ROOT %fusion = s8[{third}]{tile}}} fusion(%slice-done), kind=kLoop, calls=%fused
+{slices}
+  %custom-call = {whole} custom-call(%slice-done.0, %slice-done.1, %slice-done.2), custom_call_target="ConcatBitcast"
+  %bitcast = {whole} bitcast(%custom-call)
+  ROOT %fusion = s8[16]{{0}} fusion(%bitcast), kind=kLoop, calls=%fused
 }}
 """
     count = Count(hlo, {f"s8[{3 * third}]": WEIGHTS_GROUP})
-    assert count.bytes == {WEIGHTS_GROUP: third, COPIES: 3 * third, ACTIVATIONS: third}
-    assert count.vmem_copies == 3 * third  # the slice written, completed and read, in VMEM
+    assert count.bytes == {WEIGHTS_GROUP: 3 * third, COPIES: 9 * third, ACTIVATIONS: 16}
+    assert count.vmem_copies == 9 * third  # the slices written, completed and read, in VMEM

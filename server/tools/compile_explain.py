@@ -18,10 +18,9 @@ Each count goes to a group:
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute;
 - copies and pads: copy, copy-start/-done and slice-start/-done (prefetches into
   VMEM), pad, transpose, reshape, slice, concatenate, bitcast-convert, fusions of
-  nothing else, and the reads of what a copy wrote (a weight prefetched counts
-  once as weights); of them, the bytes of arrays in VMEM (memory space 1, `S(1)`
-  in their layout): a prefetch's destination and its reader's reads, on-chip, no
-  HBM bytes;
+  nothing else, and the reads of what a copy wrote (a weight prefetched counts once
+  as weights); of them, the bytes of arrays in VMEM (memory space 1, `S(1)` in their
+  layout): a prefetch's destination and its reader's reads, on-chip, no HBM bytes;
 - activations: everything else (step inputs, temporaries, outputs).
 
 What the compiler counted beyond these (or these beyond it) is "other": little
@@ -193,10 +192,11 @@ class Count:
         self._credit(out_group, op, shape_bytes(out_shape) * times, vmem_share(out_shape))
 
     def _origin(self, name: str) -> str | None:
-        """What a value is when it is a parameter's (weights, KV cache) or a copy's,
-        through bitcasts and tuples; None for a value computed here."""
+        """What a value is when a parameter's (weights, KV cache) or a copy's, through bitcasts,
+        tuples and ConcatBitcast (DMA'd slices joined in place); None if computed here."""
         op = self.producers.get(name)
-        while op is not None and op.opcode in ("bitcast", "get-tuple-element"):
+        while op is not None and (op.opcode in ("bitcast", "get-tuple-element")
+                                  or '"ConcatBitcast"' in op.attributes):
             op = self.producers.get(op.operands[0]) if op.operands else None
         if op is None:
             return None

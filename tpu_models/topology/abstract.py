@@ -158,6 +158,7 @@ def compile_program(manager, name, fn, args, call_kwargs, warmup_handler, descri
         manager._warmup_tasks.append((program, fn, args, call_kwargs, warmup_handler))
         return
     mesh = manager.runner.mesh
+    args, call_kwargs = one_dummy_shape(args, call_kwargs)
     began = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
@@ -179,6 +180,20 @@ def compile_program(manager, name, fn, args, call_kwargs, warmup_handler, descri
         _compile(program, lowered, mesh)
     else:
         PENDING.append(manager._compile_executor.submit(_compile, program, lowered, mesh))
+
+
+def one_dummy_shape(args, kwargs):
+    """`args, kwargs` with tpu-inference's `_cache_collision_dummy` in one shape. Its
+    shape only keeps a program's log-probs and plain variants apart in JAX's cache
+    (the program adds `0 * sum(dummy)`, which XLA removes), so both lower to one
+    module and compile once (`same_program_as`): half of the sampler's compiles."""
+    import jax
+
+    def one_shape(path, leaf):
+        if "_cache_collision_dummy" in jax.tree_util.keystr(path) and leaf is not None:
+            return jax.ShapeDtypeStruct((1,), leaf.dtype, sharding=leaf.sharding)
+        return leaf
+    return jax.tree_util.tree_map_with_path(one_shape, (args, kwargs))
 
 
 def _compile(program: Program, lowered, mesh) -> None:
