@@ -49,6 +49,7 @@ def _log_ready(state) -> None:
     from tpu_inference.logger import init_logger
 
     from tpu_models import host
+    from tpu_models.multihost import serving_across_hosts
     from tpu_models.precompilation import background_buckets
     config = state.vllm_config
     model, cache = config.model_config, config.cache_config
@@ -57,9 +58,11 @@ def _log_ready(state) -> None:
                 f"{model.max_model_len:,}" if tokens is not None and concurrency is not None
                 else "KV cache size unknown")
     platform = host.host_platform() or "tpu"
-    background = ("; the other token buckets compile in the background (meanwhile a step pads "
-                  "to the next compiled one)"
-                  if background_buckets(config) else "")
+    background = ("" if not background_buckets(config) else
+                  "; the other token buckets compile when a step first meets them"
+                  if serving_across_hosts() else
+                  "; the other token buckets compile in the background (meanwhile a step pads "
+                  "to the next compiled one)")
     init_logger("tpu_models.ready").info(
         "tpu-models: ready: %s (%s), %s, %s%s", model.served_model_name,
         ", ".join([str(model.dtype).removeprefix("torch."), platform,

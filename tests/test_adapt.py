@@ -218,3 +218,18 @@ def test_argmax_off_tpu_answers_as_numpy():
     # jnp.argmax's int64 indices under x64 off, and lax.argmax's own index dtype
     got = jax.jit(lambda a: lax.argmax(a, 0, jnp.int16))(x[4, 0])
     assert got.dtype == jnp.int16 and int(got) == int(np.argmax(x[4, 0]))
+
+
+def test_across_hosts_the_buckets_left_compile_at_first_use(monkeypatch):
+    """One CPU host compiles the buckets between the smallest and the largest in the
+    background, its steps padded to the compiled ones meanwhile. Across hosts each
+    would pad a step to the buckets it had compiled by then (different programs,
+    broken collectives): there none compiles in the background, and a step keeps
+    every bucket, compiled when a step first meets it, on every host at that step."""
+    from types import SimpleNamespace
+
+    from tpu_models import precompilation
+    monkeypatch.setenv("TPU_MULTIHOST_BACKEND", "ray")
+    runner = SimpleNamespace(num_tokens_paddings_per_dp=[1, 2, 4, 8])
+    assert precompilation.rest_in_background(runner, [1, 2, 4, 8]) is None
+    assert runner.num_tokens_paddings_per_dp == [1, 2, 4, 8]

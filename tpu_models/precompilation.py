@@ -11,7 +11,8 @@ the step lowers ahead of time (`with_the_step_lowered_ahead`), and a bucket
 compiled that way is not also run (`warm_up_tasks_to_run`). Off-TPU the buckets
 between the smallest and the largest then compile in the background once the
 server is ready (`ready_buckets`, `rest_in_background`); until one is compiled, a
-step pads to the next compiled bucket. Figures: benchmarks/README.md (bench startup).
+step pads to the next compiled bucket. Across hosts they compile at first use
+instead. Figures: benchmarks/README.md (bench startup).
 
 Off-TPU precompilation also overlaps with the compile workers. tpu-inference waits
 for each group's compilations before it lowers the next, and precompiles the
@@ -44,17 +45,14 @@ import time
 def background_buckets(vllm_config) -> bool:
     """Whether token buckets compile after the server is ready: off-TPU, when it
     precompiles at all, for a plain text model on one rank (LoRA slots, drafts,
-    pipeline and data parallel ranks each add programs a bucket depends on). Not across
-    hosts: each host would pad a step to the buckets it had compiled by then, and
-    hosts running different programs break each other's collectives."""
+    pipeline and data parallel ranks each add programs a bucket depends on). Across
+    hosts at first use, not in the background (`rest_in_background`)."""
     from tpu_inference import envs
 
     from tpu_models.host import host_platform
-    from tpu_models.multihost import serving_across_hosts
 
     parallel = vllm_config.parallel_config
     return (host_platform() is not None and not envs.SKIP_JAX_PRECOMPILE
-            and not serving_across_hosts()
             and not vllm_config.model_config.enforce_eager and vllm_config.lora_config is None
             and vllm_config.speculative_config is None
             and not vllm_config.model_config.is_multimodal_model
@@ -159,10 +157,20 @@ def buckets_of(runner, paddings: list[int] | None):
 
 def rest_in_background(runner, every: list[int]) -> threading.Thread | None:
     """Once the `ready_buckets` of `every` are compiled: the runner pads a step to
-    those, and the others compile in the background (None: there are none)."""
+    those, and the others compile in the background (None: there are none, or the
+    server spans hosts). Across hosts each host would pad a step to the buckets it
+    had compiled by then, and hosts running different programs break each other's
+    collectives: there a bucket compiles when a step first meets it, on every host
+    at that same step."""
+    from tpu_models.multihost import serving_across_hosts
+
     ready = ready_buckets(every)
     rest = [b for b in every if b not in ready]
     if not rest:
+        return None
+    if serving_across_hosts():
+        _log().info("tpu-models: token buckets %s compiled; %s compile when a step first "
+                    "meets them, on every host at that step", ready, rest)
         return None
     runner.num_tokens_paddings_per_dp = ready
     _log().info("tpu-models: token buckets %s compiled; %s compile in the background "
