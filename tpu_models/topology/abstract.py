@@ -190,7 +190,7 @@ def one_dummy_shape(args, kwargs):
     import jax
 
     def one_shape(path, leaf):
-        if "_cache_collision_dummy" in jax.tree_util.keystr(path) and leaf is not None:
+        if "_cache_collision_dummy" in jax.tree_util.keystr(path):
             return jax.ShapeDtypeStruct((1,), leaf.dtype, sharding=leaf.sharding)
         return leaf
     return jax.tree_util.tree_map_with_path(one_shape, (args, kwargs))
