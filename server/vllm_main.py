@@ -16,8 +16,10 @@ logs.quiet()
 
 def main() -> None:
     from tpu_models import multihost
-    multihost.start_local_hosts()
+    hosts = multihost.start_local_hosts()  # the nodes come up while vLLM is imported
     from vllm.entrypoints.cli.main import main
+    if hosts:
+        hosts.joined()
     main()
     if lost := multihost.lost_message():  # vLLM itself exits 0 once its engine is gone
         raise SystemExit(f"tpu-models serve: {lost}; the server stopped")

@@ -7,8 +7,9 @@ processes. Off-TPU nothing does, so each worker joins JAX's distributed runtime
 itself (gloo collectives) at the coordinator named in its environment
 (`join_jax_processes`, called by the seam when a worker is built). The rest of
 what a slice has and CPU hosts do not is here too: each host's own CPU device to
-stage weights on (`this_hosts_cpu_mesh`), and its own entries in JAX's
-compilation cache (`caches_its_own_programs`). A host lost mid-generation stops
+stage weights on (`this_hosts_cpu_mesh`), and one compilation-cache key a program
+on every host (`hash_devices_alike`), so that the first host compiles each program
+and the others receive it (JAX's jax_share_binary_between_hosts). A host lost mid-generation stops
 the engine, naming the host (`note_lost_host`, `stopping_the_engine`).
 
 `LocalHosts` starts N Ray nodes on this machine, each a "host" whose processes see
@@ -31,6 +32,8 @@ BACKEND_ENV, BACKEND = "TPU_MULTIHOST_BACKEND", "ray"
 # worker's JAX coordinator service), HOSTS of them in all.
 COORDINATOR_ENV = "TPU_MODELS_JAX_COORDINATOR"
 HOSTS_ENV = "TPU_MODELS_HOSTS"
+# How long a host waits for the first host to compile a program it shares.
+SHARE_WAIT_S = 600
 # Set by `tpu-models serve --local-hosts`: the server process starts them.
 LOCAL_HOSTS_ENV, HOST_DEVICES_ENV = "TPU_MODELS_LOCAL_HOSTS", "TPU_MODELS_HOST_DEVICES"
 # Where the engine writes which host was lost, for the API server's errors and exit.
@@ -97,10 +100,10 @@ class LocalHosts:
         self.hosts, self.devices = hosts, devices
         self.keeper = None
 
-    def start(self, env=os.environ) -> str:
-        """Starts the nodes; `env` (default: this process's) then points Ray's client,
-        vLLM and the workers at them. Returns Ray's address."""
-        import json
+    def launch(self, env=os.environ) -> "LocalHosts":
+        """Starts the keeper, which starts the nodes, and returns at once: the nodes
+        come up while the caller imports vLLM (about 10 s of the start-up, on two
+        cores). `joined` then waits for them."""
         import subprocess
         import sys
 
@@ -108,10 +111,18 @@ class LocalHosts:
         self.keeper = subprocess.Popen(
             [sys.executable, "-m", __name__, str(self.hosts), str(self.devices)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(env), text=True)
+        return self
+
+    def joined(self, env=os.environ) -> str:
+        """Waits for the nodes; `env` (default: this process's) then points Ray's client,
+        vLLM and the workers at them. Returns Ray's address."""
+        import json
+
         line = self.keeper.stdout.readline()
         if not line:
-            raise RuntimeError(f"--local-hosts {self.hosts}: the local Ray nodes did not "
-                               f"start (exit {self.keeper.wait()}); see the lines above")
+            raise SystemExit(f"tpu-models serve: --local-hosts {self.hosts}: the local Ray "
+                             f"nodes did not start (exit {self.keeper.wait()}); see the "
+                             f"lines above")
         address = json.loads(line)["address"]
         env["RAY_ADDRESS"] = address
         # vLLM binds the engine's placement group to the node at its own address.
@@ -180,7 +191,8 @@ def lost_message(env=os.environ) -> str | None:
 
 
 def start_local_hosts(env=os.environ) -> LocalHosts | None:
-    """The local hosts `tpu-models serve --local-hosts` asked for, started (None: none)."""
+    """The local hosts `tpu-models serve --local-hosts` asked for, launched (None:
+    none); their `joined` waits for them."""
     if serving_across_hosts(env) and not env.get(LOST_ENV):
         import atexit
         import tempfile
@@ -189,9 +201,7 @@ def start_local_hosts(env=os.environ) -> LocalHosts | None:
         atexit.register(os.unlink, env[LOST_ENV])  # after the server has read it
     if not local_hosts(env):
         return None
-    hosts = LocalHosts(local_hosts(env), int(env[HOST_DEVICES_ENV]))
-    hosts.start(env)
-    return hosts
+    return LocalHosts(local_hosts(env), int(env[HOST_DEVICES_ENV])).launch(env)
 
 
 def join_jax_processes(rank: int, env=os.environ) -> None:
@@ -208,6 +218,11 @@ def join_jax_processes(rank: int, env=os.environ) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(hosts), process_id=rank)
+    # The first host compiles each program and the others receive it through the
+    # distributed runtime (hash_devices_alike gives it one key on every host); a host
+    # waits for one program at most SHARE_WAIT_S.
+    jax.config.update("jax_share_binary_between_hosts", True)
+    jax.config.update("jax_share_binary_between_hosts_timeout_ms", SHARE_WAIT_S * 1000)
 
 
 @functools.cache
@@ -245,22 +260,14 @@ def stopping_the_engine(callback):
     return stop
 
 
-def caches_its_own_programs(compile_time_secs: float) -> bool:
-    """Whether this host writes a program it compiled to JAX's persistent cache itself
-    (`cache_program`). JAX writes from its first process only, and another process's
-    cache keys differ from the first's: every other host compiled every program at
-    every start. Off-TPU the local hosts share one disk, and each writes entries under
-    keys of its own (those compiled faster than the cache's threshold are not kept)."""
-    from jax._src import config, distributed
-    return (serving_across_hosts() and distributed.global_state.process_id != 0
-            and compile_time_secs >= config.persistent_cache_min_compile_time_secs.value)
-
-
-def cache_program(cache_key, module_name, executable, backend, compile_time_secs) -> None:
-    """Writes a compiled program to JAX's persistent cache under this process's key."""
-    from jax._src import compilation_cache
-    compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                              int(compile_time_secs))
+def hash_devices_alike(hash_obj, devices) -> None:
+    """What a program's compilation-cache key holds of its devices, the same on every
+    host: their kinds and global ids. JAX hashes its backend's fingerprint of their
+    topology, which off-TPU is each process's own view: every host's key for one
+    program differed, and each host compiled every program itself (JAX's sharing
+    waits for the first host's program under the waiting host's key)."""
+    for device in devices.flat:
+        hash_obj.update(f"{device.device_kind}:{device.id}".encode())
 
 
 if __name__ == "__main__":

@@ -41,12 +41,12 @@ def failure_stops_the_engine(original, self, callback):
     original(self, multihost.stopping_the_engine(callback))
 
 
-def cache_write_on_every_host(original, cache_key, compile_time_secs, module_name, backend,
-                              executable):
-    """jax._src.compiler._cache_write: every local host writes its own entries."""
-    if not multihost.caches_its_own_programs(compile_time_secs):
-        return original(cache_key, compile_time_secs, module_name, backend, executable)
-    multihost.cache_program(cache_key, module_name, executable, backend, compile_time_secs)
+def one_key_on_every_host(original, hash_obj, accelerators):
+    """jax._src.cache_key._hash_accelerator_config: across hosts off-TPU, a program's
+    devices hashed alike on every host (multihost.hash_devices_alike says why)."""
+    if not multihost.serving_across_hosts():
+        return original(hash_obj, accelerators)
+    multihost.hash_devices_alike(hash_obj, accelerators)
 
 
 EXECUTOR = "tpu_inference.executors.ray_distributed_executor_v2.RayDistributedExecutorV2"
@@ -74,11 +74,10 @@ PATCHES = [
           "a host's worker killed mid-generation left the server healthy and its requests "
           "waiting forever", "tests/test_multihost.py::test_a_lost_host_stops_the_server",
           platform=EVERYWHERE),
-    Patch("every local host writes its own compiled programs to the cache", ACROSS_HOSTS, (
-          Target("jax._src.compiler._cache_write",
-                 "cache_key compile_time_secs module_name backend executable",
-                 cache_write_on_every_host), ),
-          "every host but the first compiled every program at every start (JAX caches the "
-          "first process's programs only)",
+    Patch("a program compiled once for every local host", ACROSS_HOSTS, (
+          Target("jax._src.cache_key._hash_accelerator_config", "hash_obj accelerators",
+                 one_key_on_every_host), ),
+          "every host compiled every program itself, and found only its own in the cache "
+          "(each process's key for one program differed)",
           TWO_HOSTS, platform=OFF_TPU, speed="tpu-models bench multihost"),
 ]
