@@ -77,7 +77,7 @@ PATCHES = [
     Patch("a program compiled once for every local host", ACROSS_HOSTS, (
           Target("jax._src.cache_key._hash_accelerator_config", "hash_obj accelerators",
                  one_key_on_every_host), ),
-          "every host compiled every program itself, and found only its own in the cache "
-          "(each process's key for one program differed)",
+          "each host compiled every program itself: each process's cache key for a "
+          "program differed",
           TWO_HOSTS, platform=OFF_TPU, speed="tpu-models bench multihost"),
 ]
