@@ -9,8 +9,9 @@ itself (gloo collectives) at the coordinator named in its environment
 what a slice has and CPU hosts do not is here too: each host's own CPU device to
 stage weights on (`this_hosts_cpu_mesh`), and one compilation-cache key a program
 on every host (`hash_devices_alike`), so that the first host compiles each program
-and the others receive it (JAX's jax_share_binary_between_hosts). A host lost mid-generation stops
-the engine, naming the host (`note_lost_host`, `stopping_the_engine`).
+and the others receive it (JAX's jax_share_binary_between_hosts). A host lost
+mid-generation stops the engine, naming the host (`note_lost_host`,
+`stopping_the_engine`).
 
 `LocalHosts` starts N Ray nodes on this machine, each a "host" whose processes see
 their own CPU devices, so that `tpu-models serve --local-hosts N` runs the same
