@@ -72,12 +72,11 @@ print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in out],
 """
 
 
-def result_of(script: str, requests: str, log: Path, precompile: bool = False):
+def result_of(script: str, requests: str, log: Path):
     """SCRIPT's RESULT line: the script run as `python -c SCRIPT REQUESTS` with its
-    engine in its own process (forked from the interpreter that imported vLLM);
-    `precompile`: its start compiles what a server's does (the suite skips that)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           **({"SKIP_JAX_PRECOMPILE": "0"} if precompile else {})}
+    engine in its own process (forked from the interpreter that imported vLLM),
+    compiling at its start what a server's does (the suite's servers skip that)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SKIP_JAX_PRECOMPILE": "0"}
     done = preloaded.python_code(script, [requests], log=log, cwd=Path(__file__).parents[1],
                                  env=env)
     status, output = done.wait(900), log.read_text()
@@ -94,7 +93,7 @@ def engine(tmp_path_factory):
     requests = {"plain": [e["request"] for e in examples],
                 "free": [e["request"] for e in free_held_out()[:6]]}
     result = result_of(SCRIPT, json.dumps(requests),
-                       tmp_path_factory.mktemp("eagle3-engine") / "engine.log", precompile=True)
+                       tmp_path_factory.mktemp("eagle3-engine") / "engine.log")
     return examples, result
 
 
