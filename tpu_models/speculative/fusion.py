@@ -18,8 +18,6 @@ import contextlib
 import functools
 import inspect
 
-from tpu_models.speculative import warm_up
-
 # EAGLE-3 steps by how they ran: "fused", "fallback" (not eligible), "redrafted"
 # (our draft inputs differed from upstream's: its own draft computed them),
 # "failed" (no fusion).
@@ -35,35 +33,21 @@ def live_rows(requests: int, tokens: int) -> int:
 
 
 def verify_and_draft(runner, live_rows, kv_shardings, rng, logits, input_ids, spec, sampling,
-                     aux_hidden_states, attn_metadata, draft_inputs, state_leaves, kv_caches):
+                     sampled, aux_hidden_states, attn_metadata, draft_inputs, state_leaves,
+                     kv_caches):
     """Upstream's calls of an EAGLE-3 step after the forward pass, in its order and
     with its arguments, as one program (`runner` is static: its config and modules;
     `live_rows` too: speculation.live_rows; `kv_shardings`, the caches' shardings,
-    which the caches it returns keep)."""
+    which the caches it returns keep). Greedy and sampled steps share it: `sampling`
+    is a sampled step's metadata (`as_sampled`), and `sampled` (traced) picks the
+    branch, each branch upstream's calls for that kind of step (`_verify`)."""
     import jax
     from tpu_inference.runner import tpu_runner
     from tpu_inference.spec_decode.jax import utils
 
     mesh, drafter = runner.mesh, runner.drafter
-    pcp = runner.vllm_config.sharding_config.prefill_cp_size
     k = runner.speculative_config.num_speculative_tokens
-    if sampling.do_sampling:  # the same keys as upstream's two splits
-        rng, step_rng = jax.random.split(rng)
-        bonus_rng, rejection_rng = jax.random.split(step_rng)
-    else:
-        bonus_rng = rejection_rng = rng
-    select = type(runner)._select_from_array_fn
-    # A jit with compiler options cannot be nested: the sampler's own function.
-    bonus_token_ids, _ = tpu_runner.sample.__wrapped__(
-        bonus_rng, mesh, select(logits, spec.bonus_logits_indices, mesh, pcp), sampling,
-        allow_distributed_sampling=tpu_runner.distributed_sampling_allowed(
-            sampling.logprobs, runner.model_config.logprobs_mode))
-    next_tokens = runner.rejection_sampler(
-        draft_token_ids=runner._extract_draft_token_ids(
-            input_ids, spec.final_logits_indices, spec.target_logits_indices),
-        num_draft_tokens=spec.draft_lengths, draft_probs=None,
-        target_logits=select(logits, spec.target_logits_indices, mesh, pcp),
-        bonus_token_ids=bonus_token_ids, sampling_metadata=sampling, key=rejection_rng)
+    rng, next_tokens = _verify(runner, rng, logits, input_ids, spec, sampling, sampled)
     last, rejected = tpu_runner.extract_last_sampled_tokens(
         spec, next_tokens, k, runner.input_batch.vocab_size,
         runner.max_num_reqs // runner.dp_size, mesh)
@@ -92,6 +76,45 @@ def verify_and_draft(runner, live_rows, kv_shardings, rng, logits, input_ids, sp
                 ahead=ahead, kv_caches=kv_caches)
 
 
+def _verify(runner, rng, logits, input_ids, spec, sampling, sampled):
+    """The step's bonus tokens and rejection sampling (upstream's calls), greedy or
+    sampled as `sampled` (traced) says; the rng the runner keeps, and the tokens."""
+    import dataclasses
+
+    import jax
+    from tpu_inference.runner import tpu_runner
+
+    mesh = runner.mesh
+    pcp = runner.vllm_config.sharding_config.prefill_cp_size
+    select = type(runner)._select_from_array_fn
+    bonus_logits = select(logits, spec.bonus_logits_indices, mesh, pcp)
+    target_logits = select(logits, spec.target_logits_indices, mesh, pcp)
+    draft_token_ids = runner._extract_draft_token_ids(
+        input_ids, spec.final_logits_indices, spec.target_logits_indices)
+
+    def verify(bonus_rng, rejection_rng, metadata):
+        # A jit with compiler options cannot be nested: the sampler's own function.
+        bonus_token_ids, _ = tpu_runner.sample.__wrapped__(
+            bonus_rng, mesh, bonus_logits, metadata,
+            allow_distributed_sampling=tpu_runner.distributed_sampling_allowed(
+                metadata.logprobs, runner.model_config.logprobs_mode))
+        return runner.rejection_sampler(
+            draft_token_ids=draft_token_ids, num_draft_tokens=spec.draft_lengths,
+            draft_probs=None, target_logits=target_logits, bonus_token_ids=bonus_token_ids,
+            sampling_metadata=metadata, key=rejection_rng)
+
+    def sampled_step(rng):  # the same keys as upstream's two splits
+        rng, step_rng = jax.random.split(rng)
+        bonus_rng, rejection_rng = jax.random.split(step_rng)
+        return rng, verify(bonus_rng, rejection_rng, sampling)
+
+    def greedy_step(rng):
+        return rng, verify(rng, rng, dataclasses.replace(
+            sampling, do_sampling=False, temperature=None, top_k=None, top_p=None))
+
+    return jax.lax.cond(sampled, sampled_step, greedy_step, rng)
+
+
 @functools.cache
 def _compiled():
     import jax
@@ -111,15 +134,40 @@ def run(runner, a: dict) -> "Replay":
     # The draft's inputs in one transfer (upstream's two are answered from it).
     device = device_array(runner.mesh, host, sharding=PartitionSpec(ShardingAxisName.ATTN_DATA))
     rows = live_rows(int(host[2][0]), a["input_ids"].shape[0])
+    sampling = a["tpu_sampling_metadata"]
     args = (runner.rng_params_for_sampling, a["logits"], a["input_ids"],
-            a["spec_decode_metadata"], a["tpu_sampling_metadata"], a["aux_hidden_states"],
-            draft_attention(a["attn_metadata"]), device, runner.drafter.state_leaves,
-            runner.kv_caches)
+            a["spec_decode_metadata"], as_sampled(runner, sampling, a["spec_decode_metadata"]),
+            sampling.do_sampling, a["aux_hidden_states"], draft_attention(a["attn_metadata"]),
+            device, runner.drafter.state_leaves, runner.kv_caches)
     statics = (runner, rows, tuple(c.sharding for c in runner.kv_caches))
-    warm_up.compile_sampled_twin(_compiled(), statics, args)  # in a warm-up's greedy step
     fused = _compiled()(*statics, *args)
     runner.kv_caches = fused["kv_caches"]  # the old ones were donated
     return Replay(runner, a, fused, host, device)
+
+
+def as_sampled(runner, sampling, spec):
+    """A step's sampling metadata as a sampled step's: a greedy step's has no
+    temperature, top_k or top_p, so it is given rows of ones (the runner's dtypes and
+    sharding, one row a padded request), kept per shape; its branch ignores them."""
+    import dataclasses
+
+    if sampling.do_sampling:
+        return sampling
+    return dataclasses.replace(sampling, do_sampling=True,
+                               **_ones(runner.mesh, spec.bonus_logits_indices.shape))
+
+
+@functools.cache
+def _ones(mesh, rows: tuple) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+
+    sharding = NamedSharding(mesh, PartitionSpec(ShardingAxisName.ATTN_DATA))
+    return {name: jax.device_put(np.ones(rows, dtype), sharding)
+            for name, dtype in (("temperature", np.float32), ("top_k", np.int32),
+                                ("top_p", np.float32))}
 
 
 def draft_attention(attn_metadata):

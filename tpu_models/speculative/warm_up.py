@@ -7,21 +7,17 @@ waited 5-10 s and looked hung. Here the engine core serves greedy requests of
 its own before its start-up handshake ends (`serve`), one for each token bucket
 a lone request's prompt step can meet (the runner's, `prompt_lengths`): through its own
 scheduler and runner, so the programs compiled are exactly those real steps
-run, whatever their arguments' shapes. Each of their steps also has its sampled
-twin compiled on a thread beside the engine (`compile_sampled_twin`): the same
-arguments, do_sampling set. Their outputs go nowhere, and the prefix cache is
-emptied after them. Steps of several requests still compile at first use. The
-cost is in the ready time (benchmarks/README.md, bench startup).
+run, whatever their arguments' shapes. A sampled step runs the same program
+(fusion.verify_and_draft branches on a traced flag). Their outputs go nowhere,
+and the prefix cache is emptied after them. Steps of several requests still
+compile at first use. The cost is in the ready time (benchmarks/README.md,
+bench startup).
 """
 
-import concurrent.futures
-import functools
 import time
 
 TOKENS = 4  # a prompt step, then decode steps with the draft's tokens to verify
 PREFIX = "tpu-models-warm-up-"
-# The sampled twins of the warm-up's greedy steps, compiling beside them.
-_twins: dict[str, concurrent.futures.Future] = {}
 
 
 def precompiled_eagle3(vllm_config) -> bool:
@@ -78,7 +74,7 @@ def prompt_lengths(buckets: list[int], max_model_len: int) -> list[int]:
 
 def requests(engine_core) -> list:
     """The warm-up's requests, as vLLM's own (`vllm.v1.request.Request`): one a
-    prompt length, greedy (their steps' sampled twins compile beside them)."""
+    prompt length, greedy (a sampled step runs the same programs)."""
     import numpy as np
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -106,73 +102,7 @@ def serve(engine_core) -> None:
             _, executed = engine_core.step_fn()
             engine_core.post_step(executed)
     engine_core.reset_prefix_cache()
-    twins = sum(engine_core.collective_rpc(twins_compiled))
     init_logger(__name__).info(
-        "tpu-models: EAGLE-3 warm-up: %d requests served before ready, %d sampled twins of "
-        "their steps compiled (%.1f s), so that a lone request's steps find their "
-        "programs compiled", len(made), twins, time.perf_counter() - began)
-
-
-def compile_sampled_twin(program, statics: tuple, args: tuple) -> None:
-    """In a step of the warm-up's greedy requests (fusion.run's jitted `program`, its
-    `statics`, the runner first, and `args`): the fused program for the same step
-    sampled (do_sampling, static, is all that differs) is lowered here and compiled
-    on a thread of its own while the engine goes on, once a shape. Its first sampled
-    step then finds it in jit's caches."""
-    import dataclasses
-
-    import jax
-
-    runner, sampling = statics[0], args[4]
-    if sampling.do_sampling or not all(r.startswith(PREFIX) for r in runner.input_batch.req_ids):
-        return
-
-    # The step's own arrays, not their shapes: lowered from shapes alone, the program
-    # was not found by the sampled step's call (jit's tracing cache keys them apart).
-    key = f"{statics[1:]} {[getattr(x, 'shape', x) for x in jax.tree.leaves(args[:8])]}"
-    if key in _twins:
-        return
-    try:
-        twin = (*args[:4], dataclasses.replace(sampling, do_sampling=True,
-                                               **_sampled(runner, args[3])), *args[5:])
-        _twins[key] = _compiler().submit(program.lower(*statics, *twin).compile)
-    except Exception as e:  # the step itself is unaffected: it runs as it would
-        _twins[key] = concurrent.futures.Future()
-        _twins[key].set_exception(e)
-
-
-def _sampled(runner, spec) -> dict:
-    """A sampled step's temperature, top_k and top_p (a greedy step's are None), as
-    the runner puts them: a row a request, sharded as upstream's sampler expects."""
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-    from tpu_inference.layers.common.sharding import ShardingAxisName
-
-    sharding = NamedSharding(runner.mesh, PartitionSpec(ShardingAxisName.ATTN_DATA))
-    rows = spec.bonus_logits_indices.shape  # the step's padded requests
-    return {name: jax.device_put(np.ones(rows, dtype), sharding)
-            for name, dtype in (("temperature", np.float32), ("top_k", np.int32),
-                                ("top_p", np.float32))}
-
-
-@functools.cache
-def _compiler() -> concurrent.futures.ThreadPoolExecutor:
-    # Two: once the greedy steps are done, the twins left take both cores.
-    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tpu-models-twins")
-
-
-def twins_compiled(worker=None) -> int:
-    """Waits for the sampled twins (on a worker, by the engine's collective_rpc); their
-    number. One that failed is said and left to compile at its first step."""
-    from tpu_inference.logger import init_logger
-
-    done = 0
-    for future in list(_twins.values()):
-        try:
-            future.result()
-            done += 1
-        except Exception as e:
-            init_logger(__name__).warning("tpu-models: a sampled EAGLE-3 step did not "
-                                          "compile ahead (%r); it compiles at first use", e)
-    return done
+        "tpu-models: EAGLE-3 warm-up: %d requests served before ready (%.1f s), so that "
+        "a lone request's steps, greedy or sampled, find their programs compiled",
+        len(made), time.perf_counter() - began)
