@@ -99,26 +99,28 @@ class LocalHosts:
 
     def __init__(self, hosts: int, devices: int):
         self.hosts, self.devices = hosts, devices
-        self.keeper = None
+        self.keeper, self.env = None, None
 
     def launch(self, env=os.environ) -> "LocalHosts":
         """Starts the keeper, which starts the nodes, and returns at once: the nodes
         come up while the caller imports vLLM (about 10 s of the start-up, on two
-        cores). `joined` then waits for them."""
+        cores). `joined` then waits for them, and points `env` at them."""
         import subprocess
         import sys
 
         env.update(RAY_LOOPBACK)
+        self.env = env
         self.keeper = subprocess.Popen(
             [sys.executable, "-m", __name__, str(self.hosts), str(self.devices)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(env), text=True)
         return self
 
-    def joined(self, env=os.environ) -> str:
-        """Waits for the nodes; `env` (default: this process's) then points Ray's client,
-        vLLM and the workers at them. Returns Ray's address."""
+    def joined(self) -> str:
+        """Waits for the nodes; the environment `launch` was given then points Ray's
+        client, vLLM and the workers at them. Returns Ray's address."""
         import json
 
+        env = self.env
         line = self.keeper.stdout.readline()
         if not line:
             raise SystemExit(f"tpu-models serve: --local-hosts {self.hosts}: the local Ray "
