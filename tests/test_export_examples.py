@@ -55,7 +55,8 @@ def test_the_documented_examples_run_and_export_back(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(try_dir / "qwen3-base", dtype=torch.float32)
-    merged_by_peft = PeftModel.from_pretrained(model, try_dir / "tunix-adapter").merge_and_unload()
+    merged_by_peft = PeftModel.from_pretrained(  # on the CPU, not torchax's "jax" device
+        model, try_dir / "tunix-adapter", torch_device="cpu").merge_and_unload()
     reference = {k: v.numpy() for k, v in merged_by_peft.state_dict().items()}
     merged = tensors(try_dir / "tunix-merged")
     changed = 0

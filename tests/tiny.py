@@ -178,7 +178,10 @@ class Reference:
             directory, dtype=torch.float32, attn_implementation=impl).eval()
         if adapter is not None:
             from peft import PeftModel
-            self.model = PeftModel.from_pretrained(self.model, adapter).merge_and_unload().eval()
+            # torchax (tpu-inference's) registers a "jax" torch accelerator, which peft
+            # >= 0.22 would load the adapter onto: the reference stays on the CPU.
+            self.model = PeftModel.from_pretrained(
+                self.model, adapter, torch_device="cpu").merge_and_unload().eval()
         tensors = {}
         for file in directory.glob("*.safetensors"):
             tensors.update(load_file(file))
