@@ -124,6 +124,7 @@ def worker(args) -> dict:
         "prompts": args.prompts, "words": args.words, "tokens": args.tokens, "runs": runs,
         "group": args.group, "temperature": config.temperature,
         "template_words": args.template if grouped else 0,
+        "completions_runs": completions,
         "completions_per_s": {n: statistics.median(c) for n, c in completions.items()},
         "completions_ratio": statistics.median(
             a / b for a, b in zip(completions["vllm"], completions["vanilla"])),
