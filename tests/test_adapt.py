@@ -192,9 +192,10 @@ def test_off_tpu_a_host_portability_patch_that_cannot_apply_stops_the_engine(mon
 
 
 def test_argmax_off_tpu_answers_as_numpy():
-    """XLA:CPU's argmax is replaced by a max and a least position
-    (off_tpu.first_max, installed by adapt.host_portability): the same index numpy
-    gives, ties to the first, a NaN wins, over every axis and dtype."""
+    """XLA:CPU's argmax is replaced by a max and a least position, a block at a time
+    along a last axis that splits (off_tpu.first_max, installed by
+    adapt.host_portability): the same index numpy gives, ties to the first, a NaN
+    wins, over every axis and dtype."""
     load_plugins()
     import jax.numpy as jnp
     from jax import lax
@@ -207,8 +208,16 @@ def test_argmax_off_tpu_answers_as_numpy():
     x[1, 2, 9] = np.nan
     x[2] = -np.inf
     x[3, 1, 31] = np.inf
+    # A last axis searched a block at a time: 1,024-wide, 128-wide blocks.
+    by_block = [rng.integers(-3, 4, size=(6, n)).astype(np.float32) for n in (4 * 1024, 37 * 128)]
+    for y in by_block:
+        y[1, [-1, 700, 5]] = 50  # ties across blocks: the first wins
+        y[2] = -np.inf
+        y[3, [-2, 900]] = np.nan  # the first NaN
+        y[4, 10], y[4, -3] = np.inf, np.nan  # a NaN beats an earlier +inf
     cases = [x, x.astype(jnp.bfloat16), x[4].astype(np.int32), x[4] > 0,
-             rng.normal(size=(3, 262144)).astype(np.float32)]
+             rng.normal(size=(3, 262144)).astype(np.float32), *by_block,
+             by_block[0].astype(jnp.bfloat16)]
     for array in cases:
         for axis in range(array.ndim):
             got = np.asarray(jax.jit(lambda a: jnp.argmax(a, axis=axis))(array))
