@@ -5,9 +5,8 @@ one, with masked ids (top-k / top-p's -1e12) and a fully masked block, plain and
 with the temperature applied inside the draw."""
 
 import numpy as np
-from scipy import stats
-
 import pytest
+from scipy import stats
 
 from tpu_models.sampler.programs import BLOCK, MASKED, categorical
 
@@ -35,4 +34,3 @@ def test_two_level_draws_follow_the_softmax_of_the_logits(temperature):
     wanted = np.append(want[big], want[~big].sum())
     assert big.sum() > BLOCK  # ids of several blocks are tested one by one
     assert stats.chisquare(observed, wanted).pvalue >= 1e-3
-
