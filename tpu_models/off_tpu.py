@@ -200,8 +200,9 @@ def first_max(operand, *, axes, index_dtype):
     maximum, the first block holding the largest, then the first position in it. At
     32 rows of Gemma 3's 262,144 ids: 2.5 ms, against 37 ms for a max and a least
     position over the whole axis (which XLA:CPU does not vectorize at that size) and
-    18.5 ms for its own argmax. Other axes: the max, then the least position
-    holding it (1 row of 262,144: 0.1 ms against 1.07 ms)."""
+    18.5 ms for its own argmax. Other axes, and axes no block width divides: the
+    max, then the least position holding it (at one row of 262,144 ids, 0.1 ms
+    against 1.07 ms for XLA:CPU's argmax)."""
     import jax.numpy as jnp
     from jax import lax
     axis, = axes
