@@ -216,10 +216,8 @@ def first_max(operand, *, axes, index_dtype):
     highest = lax.reduce(blocks, jnp.array(-jnp.inf, operand.dtype),
                          lambda a, b: jnp.where(jnp.isnan(b) | (b > a), b, a), (blocks.ndim - 1, ))
     block = _least_position_of_max(highest, highest.ndim - 1, index_dtype)
-    inside = jnp.take_along_axis(blocks, block[..., None, None].astype(jnp.int32),
-                                 axis=-2)[..., 0, :]
-    return (block * width
-            + _least_position_of_max(inside, inside.ndim - 1, index_dtype)).astype(index_dtype)
+    inside = jnp.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+    return block * width + _least_position_of_max(inside, inside.ndim - 1, index_dtype)
 
 
 def _least_position_of_max(operand, axis, index_dtype):
